@@ -1,0 +1,398 @@
+//! HTTP idempotency: the key a client sends, the fingerprint of its request, and what to do with a
+//! request given the record stored for its key.
+
+use std::fmt;
+
+use chrono::{DateTime, Utc};
+use idem_ports::{IdempotencyRecord, IdempotencyState, StoredResponse};
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+
+/// Longest accepted key.
+pub const MAX_KEY_LEN: usize = 255;
+
+/// Why an `Idempotency-Key` was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum IdempotencyKeyError {
+    #[error("Idempotency-Key must not be empty")]
+    Empty,
+    #[error("Idempotency-Key must be at most {MAX_KEY_LEN} characters")]
+    TooLong,
+    #[error("Idempotency-Key must contain only printable ASCII characters (0x21-0x7E)")]
+    InvalidCharacter,
+    #[error("Idempotency-Key is a malformed structured-field string")]
+    MalformedString,
+}
+
+/// A client's idempotency key: 1 to 255 printable ASCII characters (0x21–0x7E).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    /// Validates a key as given.
+    pub fn parse(s: &str) -> Result<Self, IdempotencyKeyError> {
+        if s.is_empty() {
+            return Err(IdempotencyKeyError::Empty);
+        }
+        if s.len() > MAX_KEY_LEN {
+            return Err(IdempotencyKeyError::TooLong);
+        }
+        if !s.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+            return Err(IdempotencyKeyError::InvalidCharacter);
+        }
+        Ok(Self(s.to_owned()))
+    }
+
+    /// Parses an `Idempotency-Key` header value in either form clients send: the bare key (`abc-123`,
+    /// Stripe style) or the IETF draft's structured-field string (`"abc-123"`, RFC 8941 §3.3.3). Both name
+    /// the same key.
+    pub fn from_header_value(raw: &[u8]) -> Result<Self, IdempotencyKeyError> {
+        if raw.len() > 2 * MAX_KEY_LEN + 2 {
+            return Err(IdempotencyKeyError::TooLong);
+        }
+        let text = std::str::from_utf8(raw).map_err(|_| IdempotencyKeyError::InvalidCharacter)?;
+        let text = text.trim_matches(|c| c == ' ' || c == '\t');
+        match text.strip_prefix('"') {
+            Some(rest) => Self::parse(&unquote_sf_string(rest)?),
+            None => Self::parse(text),
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Unquotes the remainder of an sf-string after its opening quote.
+fn unquote_sf_string(rest: &str) -> Result<String, IdempotencyKeyError> {
+    let mut out = String::with_capacity(rest.len());
+    let mut chars = rest.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => match chars.next() {
+                Some(e @ ('"' | '\\')) => out.push(e),
+                _ => return Err(IdempotencyKeyError::MalformedString),
+            },
+            '"' => {
+                return if chars.next().is_none() {
+                    Ok(out)
+                } else {
+                    Err(IdempotencyKeyError::MalformedString)
+                };
+            }
+            c if (' '..='~').contains(&c) => out.push(c),
+            _ => return Err(IdempotencyKeyError::MalformedString),
+        }
+    }
+    Err(IdempotencyKeyError::MalformedString)
+}
+
+/// SHA-256 of a request: method, route and body. A JSON body is canonicalized first (object keys sorted,
+/// insignificant whitespace removed), so a retry that re-serialized the same JSON is the same request.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    pub fn of_request(method: &str, route: &str, body: &[u8]) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(method.to_ascii_uppercase().as_bytes());
+        hasher.update([0]);
+        hasher.update(route.as_bytes());
+        hasher.update([0]);
+        match serde_json::from_slice::<serde_json::Value>(body) {
+            Ok(json) => {
+                hasher.update(b"json\0");
+                let mut canonical = String::with_capacity(body.len());
+                write_canonical(&json, &mut canonical);
+                hasher.update(canonical.as_bytes());
+            }
+            Err(_) => {
+                hasher.update(b"raw\0");
+                hasher.update(body);
+            }
+        }
+        Self(hasher.finalize().into())
+    }
+
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", hex::encode(self.0))
+    }
+}
+
+/// Writes JSON with object keys in byte order and no whitespace. Strings and numbers keep serde_json's
+/// own (escaped, shortest round-trip) form.
+fn write_canonical(value: &serde_json::Value, out: &mut String) {
+    use serde_json::Value;
+    match value {
+        Value::Object(map) => {
+            let mut entries: Vec<_> = map.iter().collect();
+            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            out.push('{');
+            for (i, (k, v)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push(':');
+                write_canonical(v, out);
+            }
+            out.push('}');
+        }
+        Value::Array(items) => {
+            out.push('[');
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_canonical(v, out);
+            }
+            out.push(']');
+        }
+        scalar => out.push_str(&scalar.to_string()),
+    }
+}
+
+/// What to do with a request, given the record stored for its key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision<'a> {
+    /// No live record: run the handler (and store its response).
+    Execute,
+    /// The same request already completed: send the stored response again.
+    Replay(&'a StoredResponse),
+    /// The key was used for a different request: refuse.
+    Conflict,
+    /// The same request is still executing: do not run it again; wait or ask the client to retry later.
+    InFlight,
+}
+
+/// Decides what to do with a request whose fingerprint is `fingerprint`, given the record stored for its
+/// key (if any) at time `now`. An expired record counts as absent. The fingerprint is compared before the
+/// state, so a different request under a key still in flight is a conflict, not "in flight".
+pub fn decide<'a>(
+    existing: Option<&'a IdempotencyRecord>,
+    fingerprint: &Fingerprint,
+    now: DateTime<Utc>,
+) -> Decision<'a> {
+    let Some(record) = existing else {
+        return Decision::Execute;
+    };
+    if record.expires_at <= now {
+        return Decision::Execute;
+    }
+    if record.command_hash != fingerprint.0 {
+        return Decision::Conflict;
+    }
+    match (record.state, &record.response) {
+        (IdempotencyState::Completed, Some(response)) => Decision::Replay(response),
+        _ => Decision::InFlight,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn record(hash: [u8; 32], state: IdempotencyState, expires_in_secs: i64) -> IdempotencyRecord {
+        let now = DateTime::from_timestamp(1_700_000_000, 0).expect("valid");
+        IdempotencyRecord {
+            scope: "m".into(),
+            key: "k".into(),
+            command_hash: hash,
+            state,
+            response: (state == IdempotencyState::Completed).then(|| StoredResponse {
+                status_code: 201,
+                headers: vec![("content-type".into(), "application/json".into())],
+                body: b"{}".to_vec(),
+            }),
+            created_at: now,
+            expires_at: now + chrono::Duration::seconds(expires_in_secs),
+        }
+    }
+
+    fn now() -> DateTime<Utc> {
+        DateTime::from_timestamp(1_700_000_000, 0).expect("valid")
+    }
+
+    #[test]
+    fn key_rules() {
+        assert!(IdempotencyKey::parse("abc-123").is_ok());
+        assert!(IdempotencyKey::parse(&"k".repeat(255)).is_ok());
+        assert_eq!(IdempotencyKey::parse(""), Err(IdempotencyKeyError::Empty));
+        assert_eq!(
+            IdempotencyKey::parse(&"k".repeat(256)),
+            Err(IdempotencyKeyError::TooLong)
+        );
+        assert_eq!(
+            IdempotencyKey::parse("a b"),
+            Err(IdempotencyKeyError::InvalidCharacter)
+        );
+        assert_eq!(
+            IdempotencyKey::parse("a\u{7f}"),
+            Err(IdempotencyKeyError::InvalidCharacter)
+        );
+        assert_eq!(
+            IdempotencyKey::parse("ключ"),
+            Err(IdempotencyKeyError::InvalidCharacter)
+        );
+    }
+
+    #[test]
+    fn bare_and_structured_forms_name_the_same_key() {
+        let bare = IdempotencyKey::from_header_value(b"abc-123");
+        let quoted = IdempotencyKey::from_header_value(b"\"abc-123\"");
+        assert_eq!(bare, quoted);
+        assert_eq!(
+            IdempotencyKey::from_header_value(br#""a\"b""#).map(|k| k.0),
+            Ok("a\"b".to_owned())
+        );
+        assert_eq!(
+            IdempotencyKey::from_header_value(b"\"abc"),
+            Err(IdempotencyKeyError::MalformedString)
+        );
+        assert_eq!(
+            IdempotencyKey::from_header_value(b"\"a\"b\""),
+            Err(IdempotencyKeyError::MalformedString)
+        );
+        assert_eq!(
+            IdempotencyKey::from_header_value(b"\"\""),
+            Err(IdempotencyKeyError::Empty)
+        );
+        assert_eq!(
+            IdempotencyKey::from_header_value(b"\"a b\""),
+            Err(IdempotencyKeyError::InvalidCharacter)
+        );
+    }
+
+    #[test]
+    fn reformatted_json_has_the_same_fingerprint() {
+        let a = Fingerprint::of_request("POST", "/payments", br#"{"a":1,"b":{"y":2,"x":[1,2]}}"#);
+        let b = Fingerprint::of_request(
+            "post",
+            "/payments",
+            b"{\n  \"b\": { \"x\": [1, 2], \"y\": 2 },\n  \"a\": 1\n}",
+        );
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn method_route_and_body_change_the_fingerprint() {
+        let base = Fingerprint::of_request("POST", "/payments", br#"{"a":1}"#);
+        assert_ne!(
+            base,
+            Fingerprint::of_request("PUT", "/payments", br#"{"a":1}"#)
+        );
+        assert_ne!(
+            base,
+            Fingerprint::of_request("POST", "/payments/x", br#"{"a":1}"#)
+        );
+        assert_ne!(
+            base,
+            Fingerprint::of_request("POST", "/payments", br#"{"a":2}"#)
+        );
+        assert_ne!(
+            base,
+            Fingerprint::of_request("POST", "/payments", br#"{"a":"1"}"#)
+        );
+        // route and body cannot bleed into each other
+        assert_ne!(
+            Fingerprint::of_request("POST", "/a", b"b"),
+            Fingerprint::of_request("POST", "/ab", b"")
+        );
+    }
+
+    #[test]
+    fn decisions() {
+        let fp = Fingerprint::of_request("POST", "/payments", b"{}");
+        let other = Fingerprint::of_request("POST", "/payments", b"{\"x\":1}");
+        assert_eq!(decide(None, &fp, now()), Decision::Execute);
+
+        let done = record(fp.0, IdempotencyState::Completed, 60);
+        assert!(
+            matches!(decide(Some(&done), &fp, now()), Decision::Replay(r) if r.status_code == 201)
+        );
+        assert_eq!(decide(Some(&done), &other, now()), Decision::Conflict);
+
+        let running = record(fp.0, IdempotencyState::InFlight, 60);
+        assert_eq!(decide(Some(&running), &fp, now()), Decision::InFlight);
+        // fingerprint before in-flight
+        assert_eq!(decide(Some(&running), &other, now()), Decision::Conflict);
+
+        let expired = record(other.0, IdempotencyState::Completed, 0);
+        assert_eq!(decide(Some(&expired), &fp, now()), Decision::Execute);
+    }
+
+    proptest! {
+        #[test]
+        fn header_parser_never_panics(raw in proptest::collection::vec(any::<u8>(), 0..600)) {
+            if let Ok(key) = IdempotencyKey::from_header_value(&raw) {
+                prop_assert!(!key.as_str().is_empty() && key.as_str().len() <= MAX_KEY_LEN);
+                prop_assert!(key.as_str().bytes().all(|b| (0x21..=0x7e).contains(&b)));
+            }
+        }
+
+        #[test]
+        fn valid_keys_parse_in_both_forms(key in "[!#-\\[\\]-~]{1,255}") {
+            let bare = IdempotencyKey::from_header_value(key.as_bytes()).expect("bare");
+            let quoted = IdempotencyKey::from_header_value(format!("\"{key}\"").as_bytes()).expect("quoted");
+            prop_assert_eq!(bare.as_str(), key.as_str());
+            prop_assert_eq!(quoted, bare);
+        }
+
+        #[test]
+        fn key_order_never_changes_the_fingerprint(
+            entries in proptest::collection::btree_map("[a-z]{1,6}", any::<i32>(), 0..8)
+        ) {
+            let forward: serde_json::Map<_, _> =
+                entries.iter().map(|(k, v)| (k.clone(), serde_json::json!(v))).collect();
+            let mut reversed = String::from("{");
+            for (i, (k, v)) in entries.iter().rev().enumerate() {
+                if i > 0 { reversed.push_str(" , "); }
+                reversed.push_str(&format!("\"{k}\" : {v}"));
+            }
+            reversed.push('}');
+            let a = Fingerprint::of_request("POST", "/p", serde_json::Value::Object(forward).to_string().as_bytes());
+            let b = Fingerprint::of_request("POST", "/p", reversed.as_bytes());
+            prop_assert_eq!(a, b);
+        }
+
+        #[test]
+        fn decision_is_total_and_consistent(
+            stored in any::<[u8; 32]>(),
+            incoming in any::<[u8; 32]>(),
+            completed in any::<bool>(),
+            expires_in in -100i64..100,
+        ) {
+            let state = if completed { IdempotencyState::Completed } else { IdempotencyState::InFlight };
+            let rec = record(stored, state, expires_in);
+            let fp = Fingerprint(incoming);
+            let d = decide(Some(&rec), &fp, now());
+            let expected = if expires_in <= 0 {
+                Decision::Execute
+            } else if stored != incoming {
+                Decision::Conflict
+            } else if completed {
+                Decision::Replay(rec.response.as_ref().expect("completed has a response"))
+            } else {
+                Decision::InFlight
+            };
+            prop_assert_eq!(d, expected);
+        }
+    }
+}

@@ -1,0 +1,19 @@
+//! The pure core of idem: validated values, payment rules, idempotency decisions, dedup and TTL policy,
+//! and the use cases that run them over the ports.
+//!
+//! Architecture invariant: this crate does no I/O. It depends on `idem-ports` for the traits its use cases
+//! call, and on no database, broker, HTTP or async-runtime crate. Time and ids come in through the
+//! [`idem_ports::Clock`] and [`idem_ports::IdGenerator`] ports.
+
+pub mod events;
+pub mod idempotency;
+pub mod money;
+pub mod payment;
+pub mod ttl;
+pub mod usecases;
+
+pub use events::{EventId, EventIdError, SagaStep, SagaStepError};
+pub use idempotency::{Decision, Fingerprint, IdempotencyKey, IdempotencyKeyError, decide};
+pub use money::{Amount, Currency, Money, MoneyError};
+pub use payment::{RefundPlan, RefundRuleError, plan_refund};
+pub use ttl::{TtlError, TtlPolicy};

@@ -1,0 +1,257 @@
+//! Money: a positive decimal amount with at most 4 decimal places and 15 integer digits (it fits
+//! PostgreSQL `numeric(19,4)`), in an ISO 4217 currency.
+
+use std::fmt;
+use std::str::FromStr;
+
+use rust_decimal::Decimal;
+use thiserror::Error;
+
+/// Largest number of digits before the decimal point.
+pub const MAX_INTEGER_DIGITS: usize = 15;
+/// Largest number of digits after the decimal point.
+pub const MAX_SCALE: u32 = 4;
+
+/// Why an amount or currency was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum MoneyError {
+    #[error(
+        "amount must be a decimal number written as digits with an optional fraction, like \"12.34\""
+    )]
+    Malformed,
+    #[error("amount must be greater than zero")]
+    NotPositive,
+    #[error("amount must have at most {MAX_SCALE} decimal places")]
+    TooPrecise,
+    #[error("amount must have at most {MAX_INTEGER_DIGITS} integer digits")]
+    TooLarge,
+    #[error("currency must be an ISO 4217 code of three upper-case letters")]
+    MalformedCurrency,
+    #[error("currency {0} is not an ISO 4217 currency")]
+    UnknownCurrency(String),
+}
+
+/// A positive amount of money, at most 15 integer digits and 4 decimal places.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Amount(Decimal);
+
+impl Amount {
+    /// Parses a plain decimal string: ASCII digits, optionally a `.` and more digits. No sign, exponent,
+    /// whitespace or thousands separators. Trailing zeros in the fraction do not count as precision.
+    pub fn parse(s: &str) -> Result<Self, MoneyError> {
+        if s.is_empty() || s.len() > 64 {
+            return Err(MoneyError::Malformed);
+        }
+        let (int, frac) = match s.split_once('.') {
+            Some((i, f)) => (i, Some(f)),
+            None => (s, None),
+        };
+        let digits = |p: &str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
+        if !digits(int) || frac.is_some_and(|f| !digits(f)) {
+            return Err(MoneyError::Malformed);
+        }
+        if int.trim_start_matches('0').len() > MAX_INTEGER_DIGITS {
+            return Err(MoneyError::TooLarge);
+        }
+        if frac.is_some_and(|f| f.trim_end_matches('0').len() > MAX_SCALE as usize) {
+            return Err(MoneyError::TooPrecise);
+        }
+        let value = Decimal::from_str(s).map_err(|_| MoneyError::Malformed)?;
+        Self::try_from(value)
+    }
+
+    /// The value, with scale exactly 4 (as stored).
+    pub fn value(self) -> Decimal {
+        self.0
+    }
+}
+
+impl TryFrom<Decimal> for Amount {
+    type Error = MoneyError;
+
+    fn try_from(value: Decimal) -> Result<Self, MoneyError> {
+        if value <= Decimal::ZERO {
+            return Err(MoneyError::NotPositive);
+        }
+        let mut normalized = value.normalize();
+        if normalized.scale() > MAX_SCALE {
+            return Err(MoneyError::TooPrecise);
+        }
+        if normalized.trunc().abs() >= Decimal::from(10_i64.pow(MAX_INTEGER_DIGITS as u32)) {
+            return Err(MoneyError::TooLarge);
+        }
+        normalized.rescale(MAX_SCALE);
+        Ok(Self(normalized))
+    }
+}
+
+impl fmt::Display for Amount {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// An active ISO 4217 currency code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Currency([u8; 3]);
+
+/// Active ISO 4217 alphabetic codes (list of 2024), plus the precious-metal and testing codes excluded.
+const ISO_4217: &[&str] = &[
+    "AED", "AFN", "ALL", "AMD", "ANG", "AOA", "ARS", "AUD", "AWG", "AZN", "BAM", "BBD", "BDT",
+    "BGN", "BHD", "BIF", "BMD", "BND", "BOB", "BRL", "BSD", "BTN", "BWP", "BYN", "BZD", "CAD",
+    "CDF", "CHF", "CLP", "CNY", "COP", "CRC", "CUP", "CVE", "CZK", "DJF", "DKK", "DOP", "DZD",
+    "EGP", "ERN", "ETB", "EUR", "FJD", "FKP", "GBP", "GEL", "GHS", "GIP", "GMD", "GNF", "GTQ",
+    "GYD", "HKD", "HNL", "HTG", "HUF", "IDR", "ILS", "INR", "IQD", "IRR", "ISK", "JMD", "JOD",
+    "JPY", "KES", "KGS", "KHR", "KMF", "KPW", "KRW", "KWD", "KYD", "KZT", "LAK", "LBP", "LKR",
+    "LRD", "LSL", "LYD", "MAD", "MDL", "MGA", "MKD", "MMK", "MNT", "MOP", "MRU", "MUR", "MVR",
+    "MWK", "MXN", "MYR", "MZN", "NAD", "NGN", "NIO", "NOK", "NPR", "NZD", "OMR", "PAB", "PEN",
+    "PGK", "PHP", "PKR", "PLN", "PYG", "QAR", "RON", "RSD", "RUB", "RWF", "SAR", "SBD", "SCR",
+    "SDG", "SEK", "SGD", "SHP", "SLE", "SOS", "SRD", "SSP", "STN", "SVC", "SYP", "SZL", "THB",
+    "TJS", "TMT", "TND", "TOP", "TRY", "TTD", "TWD", "TZS", "UAH", "UGX", "USD", "UYU", "UZS",
+    "VED", "VES", "VND", "VUV", "WST", "XAF", "XCD", "XCG", "XOF", "XPF", "YER", "ZAR", "ZMW",
+    "ZWG",
+];
+
+impl Currency {
+    pub fn parse(s: &str) -> Result<Self, MoneyError> {
+        let bytes: [u8; 3] = s
+            .as_bytes()
+            .try_into()
+            .map_err(|_| MoneyError::MalformedCurrency)?;
+        if !bytes.iter().all(u8::is_ascii_uppercase) {
+            return Err(MoneyError::MalformedCurrency);
+        }
+        if ISO_4217.binary_search(&s).is_err() {
+            return Err(MoneyError::UnknownCurrency(s.to_owned()));
+        }
+        Ok(Self(bytes))
+    }
+
+    pub fn as_str(&self) -> &str {
+        // Only ASCII upper-case letters are ever stored.
+        std::str::from_utf8(&self.0).unwrap_or("XXX")
+    }
+}
+
+impl fmt::Display for Currency {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An amount in a currency.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Money {
+    pub amount: Amount,
+    pub currency: Currency,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn iso_list_is_sorted_for_binary_search() {
+        let mut sorted = ISO_4217.to_vec();
+        sorted.sort_unstable();
+        assert_eq!(sorted, ISO_4217);
+    }
+
+    #[test]
+    fn parses_plain_amounts_to_scale_4() {
+        assert_eq!(
+            Amount::parse("12.34").map(|a| a.to_string()),
+            Ok("12.3400".into())
+        );
+        assert_eq!(
+            Amount::parse("12.3400").map(|a| a.to_string()),
+            Ok("12.3400".into())
+        );
+        assert_eq!(
+            Amount::parse("0.0001").map(|a| a.to_string()),
+            Ok("0.0001".into())
+        );
+        assert_eq!(
+            Amount::parse("999999999999999.9999").map(|a| a.to_string()),
+            Ok("999999999999999.9999".into())
+        );
+        assert_eq!(
+            Amount::parse("1.500000").map(|a| a.to_string()),
+            Ok("1.5000".into())
+        );
+    }
+
+    #[test]
+    fn rejects_bad_amounts_with_typed_errors() {
+        for (input, want) in [
+            ("", MoneyError::Malformed),
+            ("-1", MoneyError::Malformed),
+            ("+1", MoneyError::Malformed),
+            ("1e3", MoneyError::Malformed),
+            (" 1", MoneyError::Malformed),
+            ("1.", MoneyError::Malformed),
+            (".5", MoneyError::Malformed),
+            ("1,5", MoneyError::Malformed),
+            ("NaN", MoneyError::Malformed),
+            ("0", MoneyError::NotPositive),
+            ("0.0000", MoneyError::NotPositive),
+            ("1.00001", MoneyError::TooPrecise),
+            ("1000000000000000", MoneyError::TooLarge),
+        ] {
+            assert_eq!(Amount::parse(input), Err(want), "input {input:?}");
+        }
+    }
+
+    #[test]
+    fn decimal_conversion_applies_the_same_rules() {
+        assert_eq!(
+            Amount::try_from(Decimal::new(-5, 0)),
+            Err(MoneyError::NotPositive)
+        );
+        assert_eq!(
+            Amount::try_from(Decimal::new(1, 5)),
+            Err(MoneyError::TooPrecise)
+        );
+        assert_eq!(
+            Amount::try_from(Decimal::new(10_i64.pow(15), 0)),
+            Err(MoneyError::TooLarge)
+        );
+    }
+
+    #[test]
+    fn currencies() {
+        assert_eq!(
+            Currency::parse("EUR").map(|c| c.to_string()),
+            Ok("EUR".into())
+        );
+        assert_eq!(Currency::parse("eur"), Err(MoneyError::MalformedCurrency));
+        assert_eq!(Currency::parse("EURO"), Err(MoneyError::MalformedCurrency));
+        assert_eq!(Currency::parse("ÉUR"), Err(MoneyError::MalformedCurrency));
+        assert_eq!(
+            Currency::parse("ABC"),
+            Err(MoneyError::UnknownCurrency("ABC".into()))
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn amount_parser_never_panics(s in "\\PC{0,80}") {
+            let _ = Amount::parse(&s);
+        }
+
+        #[test]
+        fn valid_amounts_round_trip(int in 0u64..999_999_999_999_999, frac in 0u32..10_000) {
+            prop_assume!(int > 0 || frac > 0);
+            let text = format!("{int}.{frac:04}");
+            let amount = Amount::parse(&text).expect("valid amount");
+            prop_assert_eq!(amount.to_string(), text);
+            prop_assert!(amount.value().scale() == MAX_SCALE);
+        }
+
+        #[test]
+        fn currency_parser_never_panics(s in "\\PC{0,8}") {
+            let _ = Currency::parse(&s);
+        }
+    }
+}

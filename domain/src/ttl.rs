@@ -1,0 +1,82 @@
+//! How long idempotency records and processed-event rows are kept.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use thiserror::Error;
+
+/// Shortest accepted retention: a client retrying over a day-long incident must still be deduplicated.
+pub const MIN_TTL: Duration = Duration::from_secs(24 * 3600);
+/// Longest accepted retention: beyond it the tables grow and autovacuum works for nothing.
+pub const MAX_TTL: Duration = Duration::from_secs(72 * 3600);
+
+/// A retention outside the accepted range.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error(
+    "TTL must be between 24h and 72h (rule R-DIST-IDEM-5: shorter lets a real retry through, longer bloats the table), got {}s",
+    got.as_secs()
+)]
+pub struct TtlError {
+    pub got: Duration,
+}
+
+/// A retention of 24 h to 72 h.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TtlPolicy(Duration);
+
+impl TtlPolicy {
+    pub fn new(ttl: Duration) -> Result<Self, TtlError> {
+        if (MIN_TTL..=MAX_TTL).contains(&ttl) {
+            Ok(Self(ttl))
+        } else {
+            Err(TtlError { got: ttl })
+        }
+    }
+
+    pub fn ttl(&self) -> Duration {
+        self.0
+    }
+
+    /// When something created at `now` expires.
+    pub fn expires_at(&self, now: DateTime<Utc>) -> DateTime<Utc> {
+        // The range check bounds the duration to 72 h, which always converts.
+        now + chrono::Duration::from_std(self.0).unwrap_or(chrono::Duration::hours(72))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn bounds_are_inclusive() {
+        assert!(TtlPolicy::new(MIN_TTL).is_ok());
+        assert!(TtlPolicy::new(MAX_TTL).is_ok());
+        assert!(TtlPolicy::new(MIN_TTL - Duration::from_secs(1)).is_err());
+        assert!(TtlPolicy::new(MAX_TTL + Duration::from_secs(1)).is_err());
+    }
+
+    #[test]
+    fn error_names_the_rule() {
+        let err = TtlPolicy::new(Duration::from_secs(3600)).expect_err("1h is too short");
+        let text = err.to_string();
+        assert!(text.contains("between 24h and 72h"), "{text}");
+        assert!(text.contains("3600s"), "{text}");
+    }
+
+    #[test]
+    fn expiry_adds_the_ttl() {
+        let now = DateTime::from_timestamp(1_700_000_000, 0).expect("valid");
+        let policy = TtlPolicy::new(Duration::from_secs(48 * 3600)).expect("valid");
+        assert_eq!(policy.expires_at(now) - now, chrono::Duration::hours(48));
+    }
+
+    proptest! {
+        #[test]
+        fn accepts_exactly_the_range(secs in 0u64..400_000) {
+            let ok = TtlPolicy::new(Duration::from_secs(secs)).is_ok();
+            prop_assert_eq!(ok, (24 * 3600..=72 * 3600).contains(&secs));
+        }
+    }
+}

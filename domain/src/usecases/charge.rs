@@ -1,0 +1,350 @@
+use idem_ports::{
+    NewOutboxMessage, NewPayment, PaymentInsert, PaymentRecord, PaymentStatus, StoreError,
+    UnitOfWork,
+};
+use serde_json::json;
+use thiserror::Error;
+use uuid::Uuid;
+
+use super::Env;
+use crate::money::Money;
+
+/// A field that failed validation, named as the API names it.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("{field}: {reason}")]
+pub struct InvalidField {
+    pub field: &'static str,
+    pub reason: String,
+}
+
+/// A validated request to charge a payment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChargeCommand {
+    merchant_id: String,
+    order_id: Uuid,
+    customer_id: Uuid,
+    provider: String,
+    external_payment_id: String,
+    money: Money,
+    saga_id: Option<Uuid>,
+    traceparent: Option<String>,
+}
+
+fn reference(field: &'static str, value: &str, max: usize) -> Result<String, InvalidField> {
+    if value.is_empty() || value.len() > max {
+        return Err(InvalidField {
+            field,
+            reason: format!("must be 1 to {max} characters"),
+        });
+    }
+    if !value.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+        return Err(InvalidField {
+            field,
+            reason: "must contain only printable ASCII characters without spaces".into(),
+        });
+    }
+    Ok(value.to_owned())
+}
+
+impl ChargeCommand {
+    /// Validates a charge. `provider` is 1–64 printable ASCII characters, `external_payment_id` 1–255.
+    pub fn new(
+        merchant_id: &str,
+        order_id: Uuid,
+        customer_id: Uuid,
+        provider: &str,
+        external_payment_id: &str,
+        money: Money,
+    ) -> Result<Self, InvalidField> {
+        let non_nil = |field, id: Uuid| {
+            if id.is_nil() {
+                Err(InvalidField {
+                    field,
+                    reason: "must not be the nil UUID".into(),
+                })
+            } else {
+                Ok(id)
+            }
+        };
+        Ok(Self {
+            merchant_id: reference("merchant_id", merchant_id, 64)?,
+            order_id: non_nil("order_id", order_id)?,
+            customer_id: non_nil("customer_id", customer_id)?,
+            provider: reference("provider", provider, 64)?,
+            external_payment_id: reference("external_payment_id", external_payment_id, 255)?,
+            money,
+            saga_id: None,
+            traceparent: None,
+        })
+    }
+
+    /// Marks the charge as a step of a saga; the saga id travels on the announced event.
+    pub fn with_saga(mut self, saga_id: Uuid) -> Self {
+        self.saga_id = Some(saga_id);
+        self
+    }
+
+    /// The W3C traceparent of the request, carried to the announced event.
+    pub fn with_traceparent(mut self, traceparent: Option<String>) -> Self {
+        self.traceparent = traceparent;
+        self
+    }
+
+    pub fn order_id(&self) -> Uuid {
+        self.order_id
+    }
+
+    /// Whether an existing payment is this same charge (same merchant, order, customer and money).
+    fn matches(&self, p: &PaymentRecord) -> bool {
+        p.merchant_id == self.merchant_id
+            && p.order_id == self.order_id
+            && p.customer_id == self.customer_id
+            && p.amount == self.money.amount.value()
+            && p.currency == self.money.currency.as_str()
+    }
+}
+
+/// How a charge ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChargeOutcome {
+    /// A new payment was created in this unit of work (and its event enqueued in the outbox).
+    Created(PaymentRecord),
+    /// The same charge was already recorded (same provider and external payment id, same details).
+    AlreadyCharged(PaymentRecord),
+}
+
+impl ChargeOutcome {
+    pub fn payment(&self) -> &PaymentRecord {
+        match self {
+            Self::Created(p) | Self::AlreadyCharged(p) => p,
+        }
+    }
+}
+
+/// Why a charge failed.
+#[derive(Debug, Error)]
+pub enum ChargeError {
+    /// A payment with the same (provider, external_payment_id) exists with other details.
+    #[error("a different payment {existing} already uses this provider and external payment id")]
+    DetailsDiffer { existing: Uuid },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Charges a payment inside `uow`: inserts it, or finds the existing payment with the same (provider,
+/// external_payment_id). An existing payment with the same details is returned as
+/// [`ChargeOutcome::AlreadyCharged`]; one with different details is [`ChargeError::DetailsDiffer`]. The
+/// duplicate check never raises a unique violation, so the surrounding transaction stays usable.
+pub async fn charge_payment(
+    uow: &mut dyn UnitOfWork,
+    env: Env<'_>,
+    cmd: &ChargeCommand,
+) -> Result<ChargeOutcome, ChargeError> {
+    let now = env.clock.now();
+    let new = NewPayment {
+        id: env.ids.new_id(),
+        merchant_id: cmd.merchant_id.clone(),
+        order_id: cmd.order_id,
+        customer_id: cmd.customer_id,
+        provider: cmd.provider.clone(),
+        external_payment_id: cmd.external_payment_id.clone(),
+        amount: cmd.money.amount.value(),
+        currency: cmd.money.currency.as_str().to_owned(),
+        status: PaymentStatus::Captured,
+        created_at: now,
+    };
+    match uow.payments().insert_or_get(&new).await? {
+        PaymentInsert::Existing(existing) if cmd.matches(&existing) => {
+            Ok(ChargeOutcome::AlreadyCharged(existing))
+        }
+        PaymentInsert::Existing(existing) => Err(ChargeError::DetailsDiffer {
+            existing: existing.id,
+        }),
+        PaymentInsert::Inserted(payment) => {
+            let message = NewOutboxMessage {
+                id: env.ids.new_id(),
+                topic: env.payments_topic.to_owned(),
+                aggregate_type: "payment".into(),
+                aggregate_id: payment.order_id.to_string(),
+                event_type: "PaymentCaptured".into(),
+                payload: json!({
+                    "type": "PaymentCaptured",
+                    "payment_id": payment.id,
+                    "order_id": payment.order_id,
+                    "customer_id": payment.customer_id,
+                    "provider": payment.provider,
+                    "external_payment_id": payment.external_payment_id,
+                    "amount": payment.amount.to_string(),
+                    "currency": payment.currency,
+                }),
+                saga_id: cmd.saga_id,
+                traceparent: cmd.traceparent.clone(),
+                created_at: now,
+            };
+            uow.outbox().enqueue(&message).await?;
+            Ok(ChargeOutcome::Created(payment))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::money::{Amount, Currency};
+    use chrono::{DateTime, Utc};
+    use idem_ports::{MockClock, MockIdGenerator, MockUnitOfWork};
+    use mockall::predicate::always;
+    use rust_decimal::Decimal;
+
+    const ORDER: Uuid = Uuid::from_u128(0x0193_0000_0000_7000_8000_0000_0000_0001);
+    const CUSTOMER: Uuid = Uuid::from_u128(0x0193_0000_0000_7000_8000_0000_0000_0002);
+
+    fn now() -> DateTime<Utc> {
+        DateTime::from_timestamp(1_700_000_000, 0).expect("valid")
+    }
+
+    fn cmd(amount: &str) -> ChargeCommand {
+        let money = Money {
+            amount: Amount::parse(amount).expect("valid"),
+            currency: Currency::parse("EUR").expect("valid"),
+        };
+        ChargeCommand::new("merchant_a", ORDER, CUSTOMER, "stripe", "pi_1", money).expect("valid")
+    }
+
+    fn stored(from: &NewPayment) -> PaymentRecord {
+        PaymentRecord {
+            id: from.id,
+            merchant_id: from.merchant_id.clone(),
+            order_id: from.order_id,
+            customer_id: from.customer_id,
+            provider: from.provider.clone(),
+            external_payment_id: from.external_payment_id.clone(),
+            amount: from.amount,
+            currency: from.currency.clone(),
+            status: from.status,
+            refunded_amount: Decimal::ZERO,
+            created_at: from.created_at,
+        }
+    }
+
+    fn runtime() -> (MockClock, MockIdGenerator) {
+        let mut clock = MockClock::new();
+        clock.expect_now().return_const(now());
+        let mut ids = MockIdGenerator::new();
+        let mut n = 0u128;
+        ids.expect_new_id().returning(move || {
+            n += 1;
+            Uuid::from_u128(0x0193_0000_0000_7000_8000_0000_0000_1000 + n)
+        });
+        (clock, ids)
+    }
+
+    #[test]
+    fn new_payment_is_inserted_and_announced_in_the_same_unit() {
+        let (clock, ids) = runtime();
+        let mut uow = MockUnitOfWork::default();
+        uow.payments
+            .expect_insert_or_get()
+            .withf(|p| {
+                p.provider == "stripe"
+                    && p.amount == Decimal::new(10_5000, 4)
+                    && p.created_at == now()
+            })
+            .times(1)
+            .returning(|p| Ok(PaymentInsert::Inserted(stored(p))));
+        uow.outbox
+            .expect_enqueue()
+            .withf(|m| {
+                m.event_type == "PaymentCaptured"
+                    && m.aggregate_id == ORDER.to_string()
+                    && m.topic == "payments"
+                    && m.payload["amount"] == "10.5000"
+            })
+            .times(1)
+            .returning(|_| Ok(()));
+        let env = Env {
+            clock: &clock,
+            ids: &ids,
+            payments_topic: "payments",
+        };
+        let out = futures::executor::block_on(charge_payment(&mut uow, env, &cmd("10.5")))
+            .expect("charged");
+        assert!(matches!(out, ChargeOutcome::Created(p) if p.order_id == ORDER));
+    }
+
+    #[test]
+    fn same_details_return_the_existing_payment_without_a_second_event() {
+        let (clock, ids) = runtime();
+        let mut uow = MockUnitOfWork::default();
+        let existing_id = Uuid::from_u128(0x0193_0000_0000_7000_8000_0000_0000_0099);
+        uow.payments.expect_insert_or_get().returning(move |p| {
+            let mut rec = stored(p);
+            rec.id = existing_id;
+            Ok(PaymentInsert::Existing(rec))
+        });
+        uow.outbox.expect_enqueue().never();
+        let env = Env {
+            clock: &clock,
+            ids: &ids,
+            payments_topic: "payments",
+        };
+        let out = futures::executor::block_on(charge_payment(&mut uow, env, &cmd("10.5")))
+            .expect("charged");
+        assert_eq!(out, ChargeOutcome::AlreadyCharged(out.payment().clone()));
+        assert_eq!(out.payment().id, existing_id);
+    }
+
+    #[test]
+    fn different_details_are_a_conflict() {
+        let (clock, ids) = runtime();
+        let mut uow = MockUnitOfWork::default();
+        uow.payments.expect_insert_or_get().returning(|p| {
+            let mut rec = stored(p);
+            rec.amount = Decimal::new(99, 0);
+            Ok(PaymentInsert::Existing(rec))
+        });
+        uow.outbox.expect_enqueue().never();
+        let env = Env {
+            clock: &clock,
+            ids: &ids,
+            payments_topic: "payments",
+        };
+        let err = futures::executor::block_on(charge_payment(&mut uow, env, &cmd("10.5")))
+            .expect_err("conflict");
+        assert!(matches!(err, ChargeError::DetailsDiffer { .. }));
+    }
+
+    #[test]
+    fn store_errors_propagate() {
+        let (clock, ids) = runtime();
+        let mut uow = MockUnitOfWork::default();
+        uow.payments
+            .expect_insert_or_get()
+            .with(always())
+            .returning(|_| Err(StoreError::Unavailable("down".into())));
+        let env = Env {
+            clock: &clock,
+            ids: &ids,
+            payments_topic: "payments",
+        };
+        let err = futures::executor::block_on(charge_payment(&mut uow, env, &cmd("1")))
+            .expect_err("store down");
+        assert!(matches!(
+            err,
+            ChargeError::Store(StoreError::Unavailable(_))
+        ));
+    }
+
+    #[test]
+    fn command_validation_names_the_field() {
+        let money = cmd("1").money;
+        let bad =
+            ChargeCommand::new("m", ORDER, CUSTOMER, "", "x", money).expect_err("empty provider");
+        assert_eq!(bad.field, "provider");
+        let bad =
+            ChargeCommand::new("m", Uuid::nil(), CUSTOMER, "p", "x", money).expect_err("nil order");
+        assert_eq!(bad.field, "order_id");
+        let bad = ChargeCommand::new("m", ORDER, CUSTOMER, "p", "a b", money).expect_err("space");
+        assert_eq!(bad.field, "external_payment_id");
+    }
+}

@@ -1,0 +1,27 @@
+//! Use cases: each runs inside a unit of work the caller began and will commit, so the caller can add
+//! its own writes (an idempotency record, a processed-event row) to the same transaction.
+
+mod charge;
+mod refund;
+
+pub use charge::{ChargeCommand, ChargeError, ChargeOutcome, InvalidField, charge_payment};
+pub use refund::{RefundCommand, RefundError, refund_payment};
+
+use idem_ports::{Clock, IdGenerator};
+
+/// What use cases need besides the unit of work.
+#[derive(Clone, Copy)]
+pub struct Env<'a> {
+    pub clock: &'a dyn Clock,
+    pub ids: &'a dyn IdGenerator,
+    /// Topic that payment events are announced on (through the outbox).
+    pub payments_topic: &'a str,
+}
+
+impl std::fmt::Debug for Env<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Env")
+            .field("payments_topic", &self.payments_topic)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,202 @@
+use idem_ports::{
+    NewOutboxMessage, NewRefund, PaymentRecord, RefundRecord, StoreError, UnitOfWork,
+};
+use serde_json::json;
+use thiserror::Error;
+use uuid::Uuid;
+
+use super::Env;
+use crate::money::Amount;
+use crate::payment::{RefundRuleError, plan_refund};
+
+/// A request to refund part or all of a payment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefundCommand {
+    /// The merchant asking; `None` for internal callers such as a saga compensation.
+    pub merchant_id: Option<String>,
+    pub payment_id: Uuid,
+    pub amount: Amount,
+    pub reason: Option<String>,
+    pub saga_id: Option<Uuid>,
+    pub traceparent: Option<String>,
+}
+
+/// Why a refund failed.
+#[derive(Debug, Error)]
+pub enum RefundError {
+    /// No such payment, or it belongs to another merchant (the two are indistinguishable on purpose).
+    #[error("payment not found")]
+    NotFound,
+    #[error(transparent)]
+    Rule(#[from] RefundRuleError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Refunds `cmd.amount` of a payment inside `uow`. The payment row is locked for the rest of the unit, so
+/// concurrent refunds of one payment are serialized and their sum can never exceed the captured amount.
+pub async fn refund_payment(
+    uow: &mut dyn UnitOfWork,
+    env: Env<'_>,
+    cmd: &RefundCommand,
+) -> Result<(RefundRecord, PaymentRecord), RefundError> {
+    let payment = uow
+        .payments()
+        .get_for_update(cmd.payment_id)
+        .await?
+        .filter(|p| cmd.merchant_id.as_ref().is_none_or(|m| *m == p.merchant_id))
+        .ok_or(RefundError::NotFound)?;
+    let plan = plan_refund(&payment, cmd.amount)?;
+    let now = env.clock.now();
+    let refund = NewRefund {
+        id: env.ids.new_id(),
+        payment_id: payment.id,
+        amount: cmd.amount.value(),
+        reason: cmd.reason.clone(),
+        created_at: now,
+    };
+    let record = uow
+        .payments()
+        .apply_refund(&refund, plan.refunded_amount, plan.status)
+        .await?;
+    let message = NewOutboxMessage {
+        id: env.ids.new_id(),
+        topic: env.payments_topic.to_owned(),
+        aggregate_type: "payment".into(),
+        aggregate_id: payment.order_id.to_string(),
+        event_type: "PaymentRefunded".into(),
+        payload: json!({
+            "type": "PaymentRefunded",
+            "payment_id": payment.id,
+            "refund_id": record.id,
+            "order_id": payment.order_id,
+            "amount": record.amount.to_string(),
+            "currency": payment.currency,
+            "refunded_total": plan.refunded_amount.to_string(),
+            "status": plan.status,
+        }),
+        saga_id: cmd.saga_id,
+        traceparent: cmd.traceparent.clone(),
+        created_at: now,
+    };
+    uow.outbox().enqueue(&message).await?;
+    let updated = PaymentRecord {
+        refunded_amount: plan.refunded_amount,
+        status: plan.status,
+        ..payment
+    };
+    Ok((record, updated))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::DateTime;
+    use idem_ports::{MockClock, MockIdGenerator, MockUnitOfWork, PaymentStatus};
+    use rust_decimal::Decimal;
+
+    const PAYMENT: Uuid = Uuid::from_u128(0x0193_0000_0000_7000_8000_0000_0000_0003);
+
+    fn payment(merchant: &str) -> PaymentRecord {
+        PaymentRecord {
+            id: PAYMENT,
+            merchant_id: merchant.into(),
+            order_id: Uuid::from_u128(1),
+            customer_id: Uuid::from_u128(2),
+            provider: "p".into(),
+            external_payment_id: "e".into(),
+            amount: Decimal::new(100_0000, 4),
+            currency: "EUR".into(),
+            status: PaymentStatus::Captured,
+            refunded_amount: Decimal::ZERO,
+            created_at: DateTime::from_timestamp(0, 0).expect("valid"),
+        }
+    }
+
+    fn run(
+        uow: &mut MockUnitOfWork,
+        merchant: &str,
+        amount: &str,
+    ) -> Result<(RefundRecord, PaymentRecord), RefundError> {
+        let mut clock = MockClock::new();
+        clock
+            .expect_now()
+            .return_const(DateTime::from_timestamp(10, 0).expect("valid"));
+        let mut ids = MockIdGenerator::new();
+        ids.expect_new_id()
+            .returning(|| Uuid::from_u128(0x0193_0000_0000_7000_8000_0000_0000_1111));
+        let cmd = RefundCommand {
+            merchant_id: Some(merchant.into()),
+            payment_id: PAYMENT,
+            amount: Amount::parse(amount).expect("valid"),
+            reason: None,
+            saga_id: None,
+            traceparent: None,
+        };
+        let env = Env {
+            clock: &clock,
+            ids: &ids,
+            payments_topic: "payments",
+        };
+        futures::executor::block_on(refund_payment(uow, env, &cmd))
+    }
+
+    #[test]
+    fn refund_updates_payment_and_announces() {
+        let mut uow = MockUnitOfWork::default();
+        uow.payments
+            .expect_get_for_update()
+            .returning(|_| Ok(Some(payment("a"))));
+        uow.payments
+            .expect_apply_refund()
+            .withf(|r, total, status| {
+                r.amount == Decimal::new(40, 0)
+                    && *total == Decimal::new(40, 0)
+                    && *status == PaymentStatus::PartiallyRefunded
+            })
+            .times(1)
+            .returning(|r, _, _| {
+                Ok(RefundRecord {
+                    id: r.id,
+                    payment_id: r.payment_id,
+                    amount: r.amount,
+                    reason: None,
+                    created_at: r.created_at,
+                })
+            });
+        uow.outbox
+            .expect_enqueue()
+            .withf(|m| m.event_type == "PaymentRefunded")
+            .times(1)
+            .returning(|_| Ok(()));
+        let (_, updated) = run(&mut uow, "a", "40").expect("refunded");
+        assert_eq!(updated.status, PaymentStatus::PartiallyRefunded);
+    }
+
+    #[test]
+    fn another_merchants_payment_is_not_found() {
+        let mut uow = MockUnitOfWork::default();
+        uow.payments
+            .expect_get_for_update()
+            .returning(|_| Ok(Some(payment("a"))));
+        uow.payments.expect_apply_refund().never();
+        assert!(matches!(
+            run(&mut uow, "b", "1"),
+            Err(RefundError::NotFound)
+        ));
+    }
+
+    #[test]
+    fn over_refund_is_refused_before_writing() {
+        let mut uow = MockUnitOfWork::default();
+        uow.payments
+            .expect_get_for_update()
+            .returning(|_| Ok(Some(payment("a"))));
+        uow.payments.expect_apply_refund().never();
+        uow.outbox.expect_enqueue().never();
+        assert!(matches!(
+            run(&mut uow, "a", "100.0001"),
+            Err(RefundError::Rule(RefundRuleError::ExceedsCaptured { .. }))
+        ));
+    }
+}

@@ -1,0 +1,34 @@
+//! The boundary of idem.
+//!
+//! Traits that the domain's use cases call and the adapters implement, and the plain data types that
+//! cross them. Nothing here performs I/O and no driver type (sqlx, rdkafka, axum) appears in a signature:
+//! adapters translate their errors into [`StoreError`] / [`PublishError`].
+//!
+//! The transaction is a value: [`TransactionManager::begin`] returns a [`UnitOfWork`], the repositories
+//! are reached through it, [`UnitOfWork::commit`] consumes it, and dropping it uncommitted rolls back.
+
+mod error;
+mod records;
+mod repositories;
+mod runtime;
+
+pub use error::{PublishError, StoreError};
+pub use records::{
+    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyState, NewOutboxMessage,
+    NewPayment, NewRefund, OrderVersion, PaymentInsert, PaymentRecord, PaymentStatus,
+    ProcessedEvent, RefundRecord, SagaStepClaim, StoredResponse,
+};
+pub use repositories::{
+    IdempotencyRepository, OutboxRepository, PaymentRepository, ProcessedEventRepository,
+    ProjectionRepository, SagaStepRepository, TransactionManager, UnitOfWork,
+};
+#[cfg(any(test, feature = "mocks"))]
+pub use repositories::{
+    MockIdempotencyRepository, MockOutboxRepository, MockPaymentRepository,
+    MockProcessedEventRepository, MockProjectionRepository, MockSagaStepRepository,
+    MockTransactionManager,
+    fake::{Ended, MockUnitOfWork},
+};
+pub use runtime::{Clock, IdGenerator, SystemClock, UuidV7Generator};
+#[cfg(any(test, feature = "mocks"))]
+pub use runtime::{MockClock, MockIdGenerator};

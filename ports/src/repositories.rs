@@ -1,0 +1,247 @@
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::error::StoreError;
+use crate::records::{
+    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, NewOutboxMessage, NewPayment, NewRefund,
+    PaymentInsert, PaymentRecord, PaymentStatus, ProcessedEvent, RefundRecord, SagaStepClaim,
+    StoredResponse,
+};
+
+/// Begins units of work. One implementation per store; it is a cheap handle, shared by value.
+#[cfg_attr(any(test, feature = "mocks"), mockall::automock)]
+#[async_trait]
+pub trait TransactionManager: Send + Sync {
+    /// Begins a transaction.
+    ///
+    /// MUST return [`StoreError::Unavailable`] when the store cannot be reached (so callers can answer
+    /// "retry later" and execute nothing).
+    async fn begin(&self) -> Result<Box<dyn UnitOfWork>, StoreError>;
+}
+
+/// One database transaction and the repositories bound to it.
+///
+/// Everything done through the repositories of one unit of work commits or rolls back together.
+/// [`UnitOfWork::commit`] consumes the unit; dropping it without committing rolls the transaction back, so
+/// an early return or a panic can never leave half of a unit applied.
+#[async_trait]
+pub trait UnitOfWork: Send {
+    fn payments(&mut self) -> &mut dyn PaymentRepository;
+    fn idempotency(&mut self) -> &mut dyn IdempotencyRepository;
+    fn processed_events(&mut self) -> &mut dyn ProcessedEventRepository;
+    fn outbox(&mut self) -> &mut dyn OutboxRepository;
+    fn saga_steps(&mut self) -> &mut dyn SagaStepRepository;
+    fn projections(&mut self) -> &mut dyn ProjectionRepository;
+
+    /// Commits everything done through this unit. An error means nothing was committed, unless it is
+    /// [`StoreError::Unavailable`] raised while the commit itself was in flight, in which case the outcome
+    /// is unknown; idempotency keys and event ids make the retry safe either way.
+    async fn commit(self: Box<Self>) -> Result<(), StoreError>;
+
+    /// Rolls back explicitly (dropping does the same, without waiting for the server's answer).
+    async fn rollback(self: Box<Self>) -> Result<(), StoreError>;
+}
+
+/// Payments and their refunds.
+#[cfg_attr(any(test, feature = "mocks"), mockall::automock)]
+#[async_trait]
+pub trait PaymentRepository: Send {
+    /// Inserts a payment.
+    ///
+    /// MUST return [`StoreError::UniqueViolation`] with constraint `payment_provider_external_id_key`
+    /// when a payment with the same (provider, external_payment_id) exists. In PostgreSQL that error
+    /// aborts the transaction; use [`PaymentRepository::insert_or_get`] inside larger units.
+    async fn insert(&mut self, payment: &NewPayment) -> Result<PaymentRecord, StoreError>;
+
+    /// Inserts a payment unless one with the same (provider, external_payment_id) exists, in which case
+    /// the existing payment is returned. Never aborts the surrounding transaction on the duplicate; a
+    /// concurrent insert of the same pair waits for the other transaction and then sees its row.
+    async fn insert_or_get(&mut self, payment: &NewPayment) -> Result<PaymentInsert, StoreError>;
+
+    /// The payment with this id, if any.
+    async fn get(&mut self, id: Uuid) -> Result<Option<PaymentRecord>, StoreError>;
+
+    /// The payment with this id, locked for update until the unit ends.
+    async fn get_for_update(&mut self, id: Uuid) -> Result<Option<PaymentRecord>, StoreError>;
+
+    /// The most recent payment of an order, locked for update until the unit ends.
+    async fn find_by_order_for_update(
+        &mut self,
+        order_id: Uuid,
+    ) -> Result<Option<PaymentRecord>, StoreError>;
+
+    /// Inserts a refund and sets the payment's refunded amount and status.
+    async fn apply_refund(
+        &mut self,
+        refund: &NewRefund,
+        refunded_amount: rust_decimal::Decimal,
+        status: PaymentStatus,
+    ) -> Result<RefundRecord, StoreError>;
+}
+
+/// Idempotency records of HTTP commands, keyed by (scope, key).
+#[cfg_attr(any(test, feature = "mocks"), mockall::automock)]
+#[async_trait]
+pub trait IdempotencyRepository: Send {
+    /// Claims `claim.key` in `claim.scope` inside this unit of work.
+    ///
+    /// If no live record exists (none, or only one that expired before `now`), writes an in-flight record
+    /// and returns [`ClaimOutcome::Claimed`]. If a live record exists, returns it. If another unit of work
+    /// holds an uncommitted claim on the key, waits up to `wait` for it to end; past that, MUST return
+    /// [`StoreError::LockTimeout`] (the unit is then unusable and must be dropped).
+    async fn claim(
+        &mut self,
+        claim: &IdempotencyClaim,
+        now: DateTime<Utc>,
+        wait: Duration,
+    ) -> Result<ClaimOutcome, StoreError>;
+
+    /// Stores the response of a claimed key and marks it completed.
+    async fn complete(
+        &mut self,
+        scope: &str,
+        key: &str,
+        response: &StoredResponse,
+    ) -> Result<(), StoreError>;
+
+    /// The record for (scope, key), expired or not.
+    async fn get(
+        &mut self,
+        scope: &str,
+        key: &str,
+    ) -> Result<Option<IdempotencyRecord>, StoreError>;
+}
+
+/// Events already processed, per consumer.
+#[cfg_attr(any(test, feature = "mocks"), mockall::automock)]
+#[async_trait]
+pub trait ProcessedEventRepository: Send {
+    /// Records `events` as processed by `consumer` in one statement and returns the ids that were not
+    /// recorded before (in the order given). A concurrent unit recording the same id waits for it to commit
+    /// and then sees it as already recorded. Never raises on duplicates.
+    async fn record_new(
+        &mut self,
+        consumer: &str,
+        events: &[ProcessedEvent],
+        created_at: DateTime<Utc>,
+        expires_at: DateTime<Utc>,
+    ) -> Result<Vec<Uuid>, StoreError>;
+}
+
+/// The transactional outbox: messages written with the business change, published later by the relay.
+#[cfg_attr(any(test, feature = "mocks"), mockall::automock)]
+#[async_trait]
+pub trait OutboxRepository: Send {
+    async fn enqueue(&mut self, message: &NewOutboxMessage) -> Result<(), StoreError>;
+}
+
+/// Saga steps, each run at most once per saga.
+#[cfg_attr(any(test, feature = "mocks"), mockall::automock)]
+#[async_trait]
+pub trait SagaStepRepository: Send {
+    /// Claims (saga_id, step): [`SagaStepClaim::Claimed`] when it never ran, otherwise its recorded
+    /// outcome. A concurrent claim of the same step waits for this unit to end.
+    async fn claim(
+        &mut self,
+        saga_id: Uuid,
+        step: &str,
+        now: DateTime<Utc>,
+    ) -> Result<SagaStepClaim, StoreError>;
+
+    /// Records the outcome of a claimed step.
+    async fn complete(
+        &mut self,
+        saga_id: Uuid,
+        step: &str,
+        outcome: &serde_json::Value,
+    ) -> Result<(), StoreError>;
+}
+
+/// The order projection kept by the event handler.
+#[cfg_attr(any(test, feature = "mocks"), mockall::automock)]
+#[async_trait]
+pub trait ProjectionRepository: Send {
+    /// Applies (version, status) to the order only if `version` is greater than the stored one (or the
+    /// order is new). Returns whether it was applied.
+    async fn apply_order_version(
+        &mut self,
+        order_id: Uuid,
+        version: i64,
+        status: &str,
+        now: DateTime<Utc>,
+    ) -> Result<bool, StoreError>;
+}
+
+/// A unit of work made of mocks, for use-case tests in other crates. Commit and rollback record what
+/// happened in `outcome`.
+#[cfg(any(test, feature = "mocks"))]
+pub mod fake {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// How a [`MockUnitOfWork`] ended.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub enum Ended {
+        #[default]
+        Open,
+        Committed,
+        RolledBack,
+    }
+
+    /// A [`UnitOfWork`] whose repositories are mockall mocks.
+    #[derive(Default)]
+    pub struct MockUnitOfWork {
+        pub payments: MockPaymentRepository,
+        pub idempotency: MockIdempotencyRepository,
+        pub processed_events: MockProcessedEventRepository,
+        pub outbox: MockOutboxRepository,
+        pub saga_steps: MockSagaStepRepository,
+        pub projections: MockProjectionRepository,
+        pub ended: Arc<Mutex<Ended>>,
+    }
+
+    impl std::fmt::Debug for MockUnitOfWork {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("MockUnitOfWork").finish_non_exhaustive()
+        }
+    }
+
+    #[async_trait]
+    impl UnitOfWork for MockUnitOfWork {
+        fn payments(&mut self) -> &mut dyn PaymentRepository {
+            &mut self.payments
+        }
+        fn idempotency(&mut self) -> &mut dyn IdempotencyRepository {
+            &mut self.idempotency
+        }
+        fn processed_events(&mut self) -> &mut dyn ProcessedEventRepository {
+            &mut self.processed_events
+        }
+        fn outbox(&mut self) -> &mut dyn OutboxRepository {
+            &mut self.outbox
+        }
+        fn saga_steps(&mut self) -> &mut dyn SagaStepRepository {
+            &mut self.saga_steps
+        }
+        fn projections(&mut self) -> &mut dyn ProjectionRepository {
+            &mut self.projections
+        }
+        async fn commit(self: Box<Self>) -> Result<(), StoreError> {
+            *self
+                .ended
+                .lock()
+                .map_err(|e| StoreError::Other(e.to_string()))? = Ended::Committed;
+            Ok(())
+        }
+        async fn rollback(self: Box<Self>) -> Result<(), StoreError> {
+            *self
+                .ended
+                .lock()
+                .map_err(|e| StoreError::Other(e.to_string()))? = Ended::RolledBack;
+            Ok(())
+        }
+    }
+}
