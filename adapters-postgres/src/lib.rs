@@ -1,1 +1,143 @@
-//! placeholder
+//! PostgreSQL adapter (sqlx): implements the unit of work and every repository port.
+//!
+//! API boundary: [`PgStore`] (a [`TransactionManager`]) and [`PgUnitOfWork`]. sqlx types stay inside; its
+//! errors are mapped to [`StoreError`] here, constraint violations by SQLSTATE and constraint name.
+//! Queries are compile-time checked (`query!`), with the offline data in `.sqlx/` so building needs no
+//! database.
+
+mod error;
+mod repos;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idem_ports::{
+    IdempotencyRepository, OutboxRepository, PaymentRepository, ProcessedEventRepository,
+    ProjectionRepository, SagaStepRepository, StoreError, TransactionManager, UnitOfWork,
+};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgPool, Postgres, Transaction};
+
+pub use error::map_sqlx_error;
+
+/// The migrations in `migrations/`, embedded in the binary.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+
+/// Pool settings.
+#[derive(Debug, Clone)]
+pub struct PoolSettings {
+    pub max_connections: u32,
+    /// How long a caller waits for a free connection before getting [`StoreError::Unavailable`].
+    pub acquire_timeout: Duration,
+}
+
+impl Default for PoolSettings {
+    fn default() -> Self {
+        Self {
+            max_connections: 32,
+            acquire_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// A handle on the database: cheap to clone, shared by value.
+#[derive(Debug, Clone)]
+pub struct PgStore {
+    pool: PgPool,
+}
+
+impl PgStore {
+    /// Connects lazily-validated: fails fast if the URL is malformed or the server unreachable.
+    pub async fn connect(url: &str, settings: &PoolSettings) -> Result<Self, StoreError> {
+        let options: PgConnectOptions = url
+            .parse()
+            .map_err(|e: sqlx::Error| StoreError::Other(format!("invalid database url: {e}")))?;
+        let pool = PgPoolOptions::new()
+            .max_connections(settings.max_connections)
+            .acquire_timeout(settings.acquire_timeout)
+            .connect_with(options)
+            .await
+            .map_err(map_sqlx_error)?;
+        Ok(Self { pool })
+    }
+
+    pub fn from_pool(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Applies pending migrations.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        MIGRATOR
+            .run(&self.pool)
+            .await
+            .map_err(|e| StoreError::Other(format!("migration failed: {e}")))
+    }
+
+    /// Whether the database answers.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1")
+            .execute(&self.pool)
+            .await
+            .map(|_| ())
+            .map_err(map_sqlx_error)
+    }
+
+    /// Begins a transaction, typed (for adapters' own use and tests).
+    pub async fn begin_pg(&self) -> Result<PgUnitOfWork, StoreError> {
+        let tx = self.pool.begin().await.map_err(map_sqlx_error)?;
+        Ok(PgUnitOfWork { tx })
+    }
+}
+
+#[async_trait]
+impl TransactionManager for PgStore {
+    async fn begin(&self) -> Result<Box<dyn UnitOfWork>, StoreError> {
+        Ok(Box::new(self.begin_pg().await?))
+    }
+}
+
+/// One PostgreSQL transaction. Dropping it uncommitted rolls back (sqlx returns the connection to the
+/// pool and issues ROLLBACK).
+#[derive(Debug)]
+pub struct PgUnitOfWork {
+    tx: Transaction<'static, Postgres>,
+}
+
+impl PgUnitOfWork {
+    /// The connection of this transaction, for adapter-internal queries.
+    pub fn connection(&mut self) -> &mut sqlx::PgConnection {
+        &mut self.tx
+    }
+}
+
+#[async_trait]
+impl UnitOfWork for PgUnitOfWork {
+    fn payments(&mut self) -> &mut dyn PaymentRepository {
+        self
+    }
+    fn idempotency(&mut self) -> &mut dyn IdempotencyRepository {
+        self
+    }
+    fn processed_events(&mut self) -> &mut dyn ProcessedEventRepository {
+        self
+    }
+    fn outbox(&mut self) -> &mut dyn OutboxRepository {
+        self
+    }
+    fn saga_steps(&mut self) -> &mut dyn SagaStepRepository {
+        self
+    }
+    fn projections(&mut self) -> &mut dyn ProjectionRepository {
+        self
+    }
+    async fn commit(self: Box<Self>) -> Result<(), StoreError> {
+        self.tx.commit().await.map_err(map_sqlx_error)
+    }
+    async fn rollback(self: Box<Self>) -> Result<(), StoreError> {
+        self.tx.rollback().await.map_err(map_sqlx_error)
+    }
+}

@@ -120,7 +120,7 @@ pub trait IdempotencyRepository: Send {
 #[async_trait]
 pub trait ProcessedEventRepository: Send {
     /// Records `events` as processed by `consumer` in one statement and returns the ids that were not
-    /// recorded before (in the order given). A concurrent unit recording the same id waits for it to commit
+    /// recorded before (in no particular order; an id repeated within `events` counts once). A concurrent unit recording the same id waits for it to commit
     /// and then sees it as already recorded. Never raises on duplicates.
     async fn record_new(
         &mut self,

@@ -1,1 +1,197 @@
-//! placeholder
+//! Test harness: real PostgreSQL and a real Kafka-protocol broker.
+//!
+//! Uses `DATABASE_URL` / `KAFKA_BROKERS` when they are set (the no-Docker machines, CI) and falls back to
+//! testcontainers when not. Every test gets its own database, so tests run in parallel.
+
+use std::sync::OnceLock;
+
+use anyhow::Context;
+use idem_postgres::{PgStore, PoolSettings};
+use sqlx::Connection;
+use tokio::sync::OnceCell;
+
+/// Prefix of per-test databases.
+const DB_PREFIX: &str = "idem_test_";
+
+static PG_ADMIN_URL: OnceCell<String> = OnceCell::const_new();
+static KAFKA: OnceCell<String> = OnceCell::const_new();
+static TRACING: OnceLock<()> = OnceLock::new();
+
+/// Installs a test tracing subscriber when `TEST_LOG` is set; silent otherwise.
+pub fn init_tracing() {
+    TRACING.get_or_init(|| {
+        if std::env::var_os("TEST_LOG").is_some() {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+                .with_test_writer()
+                .try_init();
+        }
+    });
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// URL of a server where the harness may create databases.
+async fn admin_url() -> anyhow::Result<String> {
+    PG_ADMIN_URL
+        .get_or_try_init(|| async {
+            let url = match std::env::var("DATABASE_URL") {
+                Ok(url) => url,
+                Err(_) => containers::postgres().await?,
+            };
+            drop_stale_databases(&url).await?;
+            Ok(url)
+        })
+        .await
+        .cloned()
+}
+
+/// Drops per-test databases left by runs that ended more than two hours ago.
+async fn drop_stale_databases(admin: &str) -> anyhow::Result<()> {
+    let mut conn = sqlx::PgConnection::connect(admin)
+        .await
+        .context("connecting to PostgreSQL")?;
+    let names: Vec<String> =
+        sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE 'idem\\_test\\_%'")
+            .fetch_all(&mut conn)
+            .await?;
+    let cutoff = unix_now().saturating_sub(2 * 3600);
+    for name in names {
+        let created = name
+            .strip_prefix(DB_PREFIX)
+            .and_then(|rest| rest.split('_').next())
+            .and_then(|secs| secs.parse::<u64>().ok());
+        if created.is_some_and(|c| c < cutoff) {
+            let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+                .execute(&mut conn)
+                .await;
+        }
+    }
+    Ok(())
+}
+
+/// A fresh, migrated database for one test.
+#[derive(Debug, Clone)]
+pub struct TestDb {
+    pub store: PgStore,
+    pub url: String,
+    pub name: String,
+}
+
+impl TestDb {
+    pub async fn new() -> anyhow::Result<Self> {
+        Self::with_pool(PoolSettings::default()).await
+    }
+
+    pub async fn with_pool(settings: PoolSettings) -> anyhow::Result<Self> {
+        init_tracing();
+        let admin = admin_url().await?;
+        let name = format!(
+            "{DB_PREFIX}{}_{}",
+            unix_now(),
+            uuid::Uuid::new_v4().simple()
+        );
+        let mut conn = sqlx::PgConnection::connect(&admin).await?;
+        sqlx::query(&format!("CREATE DATABASE \"{name}\""))
+            .execute(&mut conn)
+            .await?;
+        conn.close().await?;
+        let url = with_database(&admin, &name);
+        let store = PgStore::connect(&url, &settings).await?;
+        store.migrate().await?;
+        Ok(Self { store, url, name })
+    }
+
+    pub fn pool(&self) -> &sqlx::PgPool {
+        self.store.pool()
+    }
+
+    /// Number of rows of a table (test-only, table names are literals of the tests).
+    pub async fn count(&self, table: &str) -> anyhow::Result<i64> {
+        Ok(sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+            .fetch_one(self.pool())
+            .await?)
+    }
+}
+
+/// Replaces the database name in a PostgreSQL URL.
+pub fn with_database(url: &str, db: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
+    };
+    let scheme_end = base.find("://").map(|i| i + 3).unwrap_or(0);
+    let base = match base[scheme_end..].find('/') {
+        Some(slash) => &base[..scheme_end + slash],
+        None => base,
+    };
+    match query {
+        Some(q) => format!("{base}/{db}?{q}"),
+        None => format!("{base}/{db}"),
+    }
+}
+
+/// Bootstrap servers of the test broker.
+pub async fn kafka_brokers() -> anyhow::Result<String> {
+    KAFKA
+        .get_or_try_init(|| async {
+            match std::env::var("KAFKA_BROKERS") {
+                Ok(b) => Ok(b),
+                Err(_) => containers::kafka().await,
+            }
+        })
+        .await
+        .cloned()
+}
+
+/// Fallback for machines with Docker: containers started once per test process and kept for its life.
+mod containers {
+    use testcontainers::ContainerAsync;
+    use testcontainers::runners::AsyncRunner;
+    use testcontainers_modules::{kafka::apache, postgres::Postgres};
+    use tokio::sync::OnceCell;
+
+    static PG: OnceCell<ContainerAsync<Postgres>> = OnceCell::const_new();
+    static KAFKA: OnceCell<ContainerAsync<apache::Kafka>> = OnceCell::const_new();
+
+    pub async fn postgres() -> anyhow::Result<String> {
+        let c = PG
+            .get_or_try_init(|| async { Postgres::default().start().await })
+            .await?;
+        let port = c.get_host_port_ipv4(5432).await?;
+        Ok(format!(
+            "postgres://postgres:postgres@127.0.0.1:{port}/postgres"
+        ))
+    }
+
+    pub async fn kafka() -> anyhow::Result<String> {
+        let c = KAFKA
+            .get_or_try_init(|| async { apache::Kafka::default().start().await })
+            .await?;
+        let port = c.get_host_port_ipv4(apache::KAFKA_PORT).await?;
+        Ok(format!("127.0.0.1:{port}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_database;
+
+    #[test]
+    fn replaces_database_name() {
+        assert_eq!(
+            with_database("postgres://u@h:5432/postgres", "x"),
+            "postgres://u@h:5432/x"
+        );
+        assert_eq!(with_database("postgres://u@h", "x"), "postgres://u@h/x");
+        assert_eq!(
+            with_database("postgres://u@h/db?sslmode=disable", "x"),
+            "postgres://u@h/x?sslmode=disable"
+        );
+    }
+}

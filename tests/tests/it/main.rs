@@ -1,2 +1,4 @@
-#[test]
-fn t() {}
+//! One integration-test binary, one module per area.
+
+mod architecture;
+mod postgres;

@@ -1,0 +1,495 @@
+//! The repository ports, implemented on one transaction.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use idem_ports::{
+    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyRepository, IdempotencyState,
+    NewOutboxMessage, NewPayment, NewRefund, OutboxRepository, PaymentInsert, PaymentRecord,
+    PaymentRepository, PaymentStatus, ProcessedEvent, ProcessedEventRepository,
+    ProjectionRepository, RefundRecord, SagaStepClaim, SagaStepRepository, StoreError,
+    StoredResponse,
+};
+use rust_decimal::Decimal;
+use uuid::Uuid;
+
+use crate::PgUnitOfWork;
+use crate::error::map_sqlx_error;
+
+struct PaymentRow {
+    id: Uuid,
+    merchant_id: String,
+    order_id: Uuid,
+    customer_id: Uuid,
+    provider: String,
+    external_payment_id: String,
+    amount: Decimal,
+    currency: String,
+    status: String,
+    refunded_amount: Decimal,
+    created_at: DateTime<Utc>,
+}
+
+impl TryFrom<PaymentRow> for PaymentRecord {
+    type Error = StoreError;
+
+    fn try_from(r: PaymentRow) -> Result<Self, StoreError> {
+        let status = PaymentStatus::parse(&r.status)
+            .ok_or_else(|| StoreError::Other(format!("unknown payment status {:?}", r.status)))?;
+        Ok(PaymentRecord {
+            id: r.id,
+            merchant_id: r.merchant_id,
+            order_id: r.order_id,
+            customer_id: r.customer_id,
+            provider: r.provider,
+            external_payment_id: r.external_payment_id,
+            amount: r.amount,
+            currency: r.currency,
+            status,
+            refunded_amount: r.refunded_amount,
+            created_at: r.created_at,
+        })
+    }
+}
+
+fn record(row: Option<PaymentRow>) -> Result<Option<PaymentRecord>, StoreError> {
+    row.map(PaymentRecord::try_from).transpose()
+}
+
+#[async_trait]
+impl PaymentRepository for PgUnitOfWork {
+    async fn insert(&mut self, p: &NewPayment) -> Result<PaymentRecord, StoreError> {
+        sqlx::query_as!(
+            PaymentRow,
+            r#"INSERT INTO payment (id, merchant_id, order_id, customer_id, provider, external_payment_id,
+                                   amount, currency, status, created_at, updated_at)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $10)
+               RETURNING id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                         currency AS "currency!", status, refunded_amount, created_at"#,
+            p.id,
+            p.merchant_id,
+            p.order_id,
+            p.customer_id,
+            p.provider,
+            p.external_payment_id,
+            p.amount,
+            p.currency,
+            p.status.as_str(),
+            p.created_at,
+        )
+        .fetch_one(self.connection())
+        .await
+        .map_err(map_sqlx_error)?
+        .try_into()
+    }
+
+    async fn insert_or_get(&mut self, p: &NewPayment) -> Result<PaymentInsert, StoreError> {
+        let inserted = sqlx::query_as!(
+            PaymentRow,
+            r#"INSERT INTO payment (id, merchant_id, order_id, customer_id, provider, external_payment_id,
+                                   amount, currency, status, created_at, updated_at)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $10)
+               ON CONFLICT (provider, external_payment_id) DO NOTHING
+               RETURNING id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                         currency AS "currency!", status, refunded_amount, created_at"#,
+            p.id,
+            p.merchant_id,
+            p.order_id,
+            p.customer_id,
+            p.provider,
+            p.external_payment_id,
+            p.amount,
+            p.currency,
+            p.status.as_str(),
+            p.created_at,
+        )
+        .fetch_optional(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        if let Some(row) = inserted {
+            return Ok(PaymentInsert::Inserted(row.try_into()?));
+        }
+        // The conflicting row is committed (ON CONFLICT waited for its transaction), and this new statement
+        // sees it under READ COMMITTED.
+        let existing = sqlx::query_as!(
+            PaymentRow,
+            r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                      currency AS "currency!", status, refunded_amount, created_at
+               FROM payment WHERE provider = $1 AND external_payment_id = $2"#,
+            p.provider,
+            p.external_payment_id,
+        )
+        .fetch_optional(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        match record(existing)? {
+            Some(p) => Ok(PaymentInsert::Existing(p)),
+            None => Err(StoreError::Retryable("conflicting payment vanished".into())),
+        }
+    }
+
+    async fn get(&mut self, id: Uuid) -> Result<Option<PaymentRecord>, StoreError> {
+        let row = sqlx::query_as!(
+            PaymentRow,
+            r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                      currency AS "currency!", status, refunded_amount, created_at
+               FROM payment WHERE id = $1"#,
+            id,
+        )
+        .fetch_optional(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        record(row)
+    }
+
+    async fn get_for_update(&mut self, id: Uuid) -> Result<Option<PaymentRecord>, StoreError> {
+        let row = sqlx::query_as!(
+            PaymentRow,
+            r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                      currency AS "currency!", status, refunded_amount, created_at
+               FROM payment WHERE id = $1 FOR UPDATE"#,
+            id,
+        )
+        .fetch_optional(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        record(row)
+    }
+
+    async fn find_by_order_for_update(
+        &mut self,
+        order_id: Uuid,
+    ) -> Result<Option<PaymentRecord>, StoreError> {
+        let row = sqlx::query_as!(
+            PaymentRow,
+            r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                      currency AS "currency!", status, refunded_amount, created_at
+               FROM payment WHERE order_id = $1
+               ORDER BY created_at DESC, id DESC LIMIT 1 FOR UPDATE"#,
+            order_id,
+        )
+        .fetch_optional(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        record(row)
+    }
+
+    async fn apply_refund(
+        &mut self,
+        r: &NewRefund,
+        refunded_amount: Decimal,
+        status: PaymentStatus,
+    ) -> Result<RefundRecord, StoreError> {
+        let updated = sqlx::query!(
+            "UPDATE payment SET refunded_amount = $2, status = $3, updated_at = $4 WHERE id = $1",
+            r.payment_id,
+            refunded_amount,
+            status.as_str(),
+            r.created_at,
+        )
+        .execute(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        if updated.rows_affected() != 1 {
+            return Err(StoreError::NotFound);
+        }
+        sqlx::query_as!(
+            RefundRecord,
+            r#"INSERT INTO refund (id, payment_id, amount, reason, created_at)
+               VALUES ($1, $2, $3, $4, $5)
+               RETURNING id, payment_id, amount, reason, created_at"#,
+            r.id,
+            r.payment_id,
+            r.amount,
+            r.reason,
+            r.created_at,
+        )
+        .fetch_one(self.connection())
+        .await
+        .map_err(map_sqlx_error)
+    }
+}
+
+fn duration_ms(wait: Duration) -> String {
+    format!("{}ms", wait.as_millis().max(1))
+}
+
+#[async_trait]
+impl IdempotencyRepository for PgUnitOfWork {
+    async fn claim(
+        &mut self,
+        c: &IdempotencyClaim,
+        now: DateTime<Utc>,
+        wait: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        // Bound the wait on a concurrent uncommitted claim of the same key; restored right after.
+        sqlx::query_scalar!(
+            "SELECT set_config('lock_timeout', $1, true)",
+            duration_ms(wait)
+        )
+        .fetch_one(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        // Claim the key, or take over a record that has expired.
+        let claimed = sqlx::query_scalar!(
+            r#"INSERT INTO idempotency_record AS r (scope, key, command_hash, state, created_at, expires_at)
+               VALUES ($1, $2, $3, 'in_flight', $4, $5)
+               ON CONFLICT (scope, key) DO UPDATE
+                   SET command_hash = EXCLUDED.command_hash, state = 'in_flight', status_code = NULL,
+                       response_headers = NULL, response_body = NULL,
+                       created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
+                   WHERE r.expires_at <= $6
+               RETURNING 1 AS "one!""#,
+            c.scope,
+            c.key,
+            &c.command_hash[..],
+            c.created_at,
+            c.expires_at,
+            now,
+        )
+        .fetch_optional(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        sqlx::query!("SET LOCAL lock_timeout TO DEFAULT")
+            .execute(self.connection())
+            .await
+            .map_err(map_sqlx_error)?;
+        if claimed.is_some() {
+            return Ok(ClaimOutcome::Claimed);
+        }
+        match IdempotencyRepository::get(self, &c.scope, &c.key).await? {
+            Some(existing) => Ok(ClaimOutcome::Existing(existing)),
+            None => Err(StoreError::Retryable(
+                "conflicting idempotency record vanished".into(),
+            )),
+        }
+    }
+
+    async fn complete(
+        &mut self,
+        scope: &str,
+        key: &str,
+        response: &StoredResponse,
+    ) -> Result<(), StoreError> {
+        let headers = serde_json::to_value(&response.headers)
+            .map_err(|e| StoreError::Other(format!("headers not serializable: {e}")))?;
+        let status = i16::try_from(response.status_code)
+            .map_err(|_| StoreError::Other("status code out of range".into()))?;
+        let done = sqlx::query!(
+            r#"UPDATE idempotency_record
+               SET state = 'completed', status_code = $3, response_headers = $4, response_body = $5
+               WHERE scope = $1 AND key = $2"#,
+            scope,
+            key,
+            status,
+            headers,
+            response.body,
+        )
+        .execute(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::NotFound)
+        }
+    }
+
+    async fn get(
+        &mut self,
+        scope: &str,
+        key: &str,
+    ) -> Result<Option<IdempotencyRecord>, StoreError> {
+        let row = sqlx::query!(
+            r#"SELECT scope, key, command_hash, state, status_code, response_headers, response_body,
+                      created_at, expires_at
+               FROM idempotency_record WHERE scope = $1 AND key = $2"#,
+            scope,
+            key,
+        )
+        .fetch_optional(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        let Some(row) = row else { return Ok(None) };
+        let command_hash: [u8; 32] = row
+            .command_hash
+            .try_into()
+            .map_err(|_| StoreError::Other("command_hash is not 32 bytes".into()))?;
+        let state = match row.state.as_str() {
+            "completed" => IdempotencyState::Completed,
+            _ => IdempotencyState::InFlight,
+        };
+        let response = match (row.status_code, row.response_body) {
+            (Some(code), Some(body)) => {
+                let headers: Vec<(String, String)> = match row.response_headers {
+                    Some(h) => serde_json::from_value(h).map_err(|e| {
+                        StoreError::Other(format!("stored headers unreadable: {e}"))
+                    })?,
+                    None => Vec::new(),
+                };
+                let status_code = u16::try_from(code)
+                    .map_err(|_| StoreError::Other("stored status negative".into()))?;
+                Some(StoredResponse {
+                    status_code,
+                    headers,
+                    body,
+                })
+            }
+            _ => None,
+        };
+        Ok(Some(IdempotencyRecord {
+            scope: row.scope,
+            key: row.key,
+            command_hash,
+            state,
+            response,
+            created_at: row.created_at,
+            expires_at: row.expires_at,
+        }))
+    }
+}
+
+#[async_trait]
+impl ProcessedEventRepository for PgUnitOfWork {
+    async fn record_new(
+        &mut self,
+        consumer: &str,
+        events: &[ProcessedEvent],
+        created_at: DateTime<Utc>,
+        expires_at: DateTime<Utc>,
+    ) -> Result<Vec<Uuid>, StoreError> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<Uuid> = events.iter().map(|e| e.event_id).collect();
+        let topics: Vec<String> = events.iter().map(|e| e.topic.clone()).collect();
+        sqlx::query_scalar!(
+            r#"INSERT INTO processed_event (consumer_name, event_id, topic, created_at, expires_at)
+               SELECT $1, e.id, e.topic, $4, $5 FROM UNNEST($2::uuid[], $3::text[]) AS e(id, topic)
+               ON CONFLICT (consumer_name, event_id) DO NOTHING
+               RETURNING event_id"#,
+            consumer,
+            &ids,
+            &topics,
+            created_at,
+            expires_at,
+        )
+        .fetch_all(self.connection())
+        .await
+        .map_err(map_sqlx_error)
+    }
+}
+
+#[async_trait]
+impl OutboxRepository for PgUnitOfWork {
+    async fn enqueue(&mut self, m: &NewOutboxMessage) -> Result<(), StoreError> {
+        let mut headers = serde_json::Map::new();
+        if let Some(tp) = &m.traceparent {
+            headers.insert("traceparent".into(), serde_json::Value::String(tp.clone()));
+        }
+        sqlx::query!(
+            r#"INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, headers,
+                                          saga_id, created_at)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"#,
+            m.id,
+            m.topic,
+            m.aggregate_type,
+            m.aggregate_id,
+            m.event_type,
+            m.payload,
+            serde_json::Value::Object(headers),
+            m.saga_id,
+            m.created_at,
+        )
+        .execute(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl SagaStepRepository for PgUnitOfWork {
+    async fn claim(
+        &mut self,
+        saga_id: Uuid,
+        step: &str,
+        now: DateTime<Utc>,
+    ) -> Result<SagaStepClaim, StoreError> {
+        let claimed = sqlx::query_scalar!(
+            r#"INSERT INTO saga_step (saga_id, step, created_at) VALUES ($1, $2, $3)
+               ON CONFLICT (saga_id, step) DO NOTHING RETURNING 1 AS "one!""#,
+            saga_id,
+            step,
+            now,
+        )
+        .fetch_optional(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        if claimed.is_some() {
+            return Ok(SagaStepClaim::Claimed);
+        }
+        let outcome = sqlx::query_scalar!(
+            "SELECT outcome FROM saga_step WHERE saga_id = $1 AND step = $2",
+            saga_id,
+            step,
+        )
+        .fetch_one(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(SagaStepClaim::Done(
+            outcome.unwrap_or(serde_json::Value::Null),
+        ))
+    }
+
+    async fn complete(
+        &mut self,
+        saga_id: Uuid,
+        step: &str,
+        outcome: &serde_json::Value,
+    ) -> Result<(), StoreError> {
+        let done = sqlx::query!(
+            "UPDATE saga_step SET outcome = $3 WHERE saga_id = $1 AND step = $2",
+            saga_id,
+            step,
+            outcome,
+        )
+        .execute(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::NotFound)
+        }
+    }
+}
+
+#[async_trait]
+impl ProjectionRepository for PgUnitOfWork {
+    async fn apply_order_version(
+        &mut self,
+        order_id: Uuid,
+        version: i64,
+        status: &str,
+        now: DateTime<Utc>,
+    ) -> Result<bool, StoreError> {
+        let applied = sqlx::query_scalar!(
+            r#"INSERT INTO order_projection AS o (order_id, version, status, updated_at)
+               VALUES ($1, $2, $3, $4)
+               ON CONFLICT (order_id) DO UPDATE
+                   SET version = EXCLUDED.version, status = EXCLUDED.status, updated_at = EXCLUDED.updated_at
+                   WHERE o.version < EXCLUDED.version
+               RETURNING 1 AS "one!""#,
+            order_id,
+            version,
+            status,
+            now,
+        )
+        .fetch_optional(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(applied.is_some())
+    }
+}

@@ -1,0 +1,195 @@
+//! The one typed configuration of `idem`: every setting is a flag with an environment fallback.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use idem_domain::TtlPolicy;
+
+/// A database URL whose password is redacted when printed.
+#[derive(Clone)]
+pub struct DatabaseUrl(pub String);
+
+impl fmt::Debug for DatabaseUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&redact_url(&self.0))
+    }
+}
+
+/// Replaces the password of a URL (`scheme://user:password@host`) by `***`.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    match rest.split_once('@') {
+        Some((userinfo, host)) => match userinfo.split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{e} (write durations like 48h, 30m, 500ms)"))
+}
+
+fn parse_ttl(s: &str) -> Result<TtlPolicy, String> {
+    TtlPolicy::new(parse_duration(s)?).map_err(|e| e.to_string())
+}
+
+/// Parses `merchant_a:key_a,merchant_b:key_b` into key → merchant.
+pub fn parse_api_keys(s: &str) -> Result<ApiKeys, String> {
+    let mut by_key = BTreeMap::new();
+    for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (merchant, key) = pair
+            .split_once(':')
+            .ok_or_else(|| "IDEM_API_KEYS entries must be merchant:key".to_owned())?;
+        let (merchant, key) = (merchant.trim(), key.trim());
+        if merchant.is_empty()
+            || merchant.len() > 64
+            || !merchant
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        {
+            return Err(
+                "IDEM_API_KEYS merchant names must be 1-64 characters of A-Z, a-z, 0-9, '_' or '-'"
+                    .into(),
+            );
+        }
+        if key.len() < 8 || !key.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+            return Err(format!(
+                "IDEM_API_KEYS key of merchant {merchant} must be at least 8 printable characters"
+            ));
+        }
+        if by_key.insert(key.to_owned(), merchant.to_owned()).is_some() {
+            return Err(format!(
+                "IDEM_API_KEYS gives the same key twice (merchant {merchant})"
+            ));
+        }
+    }
+    Ok(ApiKeys(by_key))
+}
+
+/// API key → merchant. Debug shows merchants only.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct ApiKeys(pub BTreeMap<String, String>);
+
+impl fmt::Debug for ApiKeys {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.0.values()).finish()
+    }
+}
+
+/// Status of a reused key with another request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ConflictStatus {
+    /// 409 Conflict, as the seed's rule specifies.
+    #[value(name = "409")]
+    Conflict,
+    /// 422 Unprocessable Content, as the IETF draft specifies.
+    #[value(name = "422")]
+    Unprocessable,
+}
+
+/// Settings shared by commands that use the database.
+#[derive(Debug, Clone, Args)]
+pub struct DbArgs {
+    /// PostgreSQL connection URL.
+    #[arg(long, env = "DATABASE_URL", value_parser = |s: &str| Ok::<_, String>(DatabaseUrl(s.to_owned())))]
+    pub database_url: DatabaseUrl,
+    /// Largest number of pooled database connections.
+    #[arg(long, env = "DATABASE_MAX_CONNECTIONS", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub database_max_connections: u32,
+}
+
+/// `idem serve` settings.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Kafka bootstrap servers (host:port,…).
+    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    pub kafka_brokers: String,
+    /// Address the HTTP API listens on.
+    #[arg(long, env = "HTTP_ADDR", default_value = "127.0.0.1:8080")]
+    pub http_addr: SocketAddr,
+    /// API keys: `merchant_a:key_a,merchant_b:key_b`.
+    #[arg(long, env = "IDEM_API_KEYS", default_value = "", value_parser = parse_api_keys, hide_default_value = true, hide_env_values = true)]
+    pub api_keys: ApiKeys,
+    /// Topic of incoming order events.
+    #[arg(long, env = "KAFKA_ORDERS_TOPIC", default_value = "orders")]
+    pub orders_topic: String,
+    /// Topic payment events are published to (through the outbox).
+    #[arg(long, env = "KAFKA_PAYMENTS_TOPIC", default_value = "payments")]
+    pub payments_topic: String,
+    /// Consumer group of the order-event consumer.
+    #[arg(long, env = "KAFKA_GROUP_ID", default_value = "payment-service")]
+    pub group_id: String,
+    /// How long idempotency records are kept (24h to 72h).
+    #[arg(long, env = "IDEMPOTENCY_TTL", default_value = "48h", value_parser = parse_ttl)]
+    pub idempotency_ttl: TtlPolicy,
+    /// How long processed-event rows are kept (24h to 72h).
+    #[arg(long, env = "DEDUP_TTL", default_value = "72h", value_parser = parse_ttl)]
+    pub dedup_ttl: TtlPolicy,
+    /// How often expired rows are deleted.
+    #[arg(long, env = "CLEANUP_INTERVAL", default_value = "6h", value_parser = parse_duration)]
+    pub cleanup_interval: Duration,
+    /// How long a duplicate request waits for the first one with its key to finish.
+    #[arg(long, env = "IDEMPOTENCY_WAIT", default_value = "2s", value_parser = parse_duration)]
+    pub idempotency_wait: Duration,
+    /// Status answered when a key is reused with a different request.
+    #[arg(
+        long,
+        env = "IDEMPOTENCY_CONFLICT_STATUS",
+        value_enum,
+        default_value = "409"
+    )]
+    pub conflict_status: ConflictStatus,
+    /// Log as JSON lines instead of text.
+    #[arg(long, env = "LOG_JSON", default_value_t = false)]
+    pub log_json: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn api_keys_parse_and_redact() {
+        let keys =
+            parse_api_keys("merchant_a:key_a_123456, merchant_b:key_b_123456").expect("valid");
+        assert_eq!(
+            keys.0.get("key_a_123456").map(String::as_str),
+            Some("merchant_a")
+        );
+        let shown = format!("{keys:?}");
+        assert!(
+            !shown.contains("key_a_123456") && shown.contains("merchant_b"),
+            "{shown}"
+        );
+        assert!(parse_api_keys("nocolon").is_err());
+        assert!(parse_api_keys("m:short").is_err());
+        assert!(parse_api_keys("m:same_key_1,n:same_key_1").is_err());
+    }
+
+    #[test]
+    fn urls_are_redacted() {
+        assert_eq!(
+            redact_url("postgres://u:secret@h:5432/db"),
+            "postgres://u:***@h:5432/db"
+        );
+        assert_eq!(redact_url("postgres://u@h/db"), "postgres://u@h/db");
+    }
+
+    #[test]
+    fn ttl_outside_range_is_refused_with_the_rule() {
+        let err = parse_ttl("12h").expect_err("too short");
+        assert!(err.contains("between 24h and 72h"), "{err}");
+        assert!(parse_ttl("73h").is_err());
+        assert!(parse_ttl("48h").is_ok());
+        assert!(parse_ttl("forever").is_err());
+    }
+}
