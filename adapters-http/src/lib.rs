@@ -1,1 +1,55 @@
-//! placeholder
+//! HTTP adapter (axum + tower): the payments API and the reusable idempotency layer.
+//!
+//! API boundary: [`router`] builds the service's router; [`IdempotencyLayer`] and its [`Tx`] extractor can
+//! be added to any axum router whose handlers write through an [`idem_ports::UnitOfWork`].
+
+pub mod api;
+pub mod auth;
+pub mod idempotency;
+pub mod problem;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::middleware;
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+
+pub use api::ApiState;
+pub use auth::{ApiKeys, Merchant};
+pub use idempotency::{
+    IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyConfig, IdempotencyLayer, ScopeFn, Tx,
+};
+pub use problem::{PROBLEM_JSON, Problem, ProblemKind};
+
+/// The scope function of the payments API: the authenticated merchant.
+pub fn merchant_scope() -> ScopeFn {
+    Arc::new(|parts| parts.extensions.get::<Merchant>().map(|m| m.0.to_string()))
+}
+
+/// The payments API. `idempotency` wraps the two POST routes (use [`IdempotencyLayer::transaction_only`]
+/// to switch keys off); authentication wraps everything.
+pub fn router(state: ApiState, keys: Arc<ApiKeys>, idempotency: IdempotencyLayer) -> Router {
+    // Layer order: authentication (outer, on every route) runs first, so the idempotency layer (inner,
+    // route_layer on the POST routes only) can scope keys by the merchant it established.
+    let commands = Router::new()
+        .route("/payments", post(api::charge))
+        .route("/payments/{id}/refund", post(api::refund))
+        .route_layer(idempotency);
+    Router::new()
+        .route("/payments/{id}", get(api::get_payment))
+        .merge(commands)
+        .layer(middleware::from_fn_with_state(keys, auth::authenticate))
+        .method_not_allowed_fallback(|| async {
+            Problem::new(
+                ProblemKind::MethodNotAllowed,
+                StatusCode::METHOD_NOT_ALLOWED,
+            )
+            .into_response()
+        })
+        .fallback(|| async {
+            Problem::new(ProblemKind::NotFound, StatusCode::NOT_FOUND).into_response()
+        })
+        .with_state(state)
+}

@@ -1,12 +1,12 @@
 //! The one typed configuration of `idem`: every setting is a flag with an environment fallback.
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use idem_domain::TtlPolicy;
+use idem_http::ApiKeys;
 
 /// A database URL whose password is redacted when printed.
 #[derive(Clone)]
@@ -40,49 +40,6 @@ fn parse_ttl(s: &str) -> Result<TtlPolicy, String> {
     TtlPolicy::new(parse_duration(s)?).map_err(|e| e.to_string())
 }
 
-/// Parses `merchant_a:key_a,merchant_b:key_b` into key → merchant.
-pub fn parse_api_keys(s: &str) -> Result<ApiKeys, String> {
-    let mut by_key = BTreeMap::new();
-    for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (merchant, key) = pair
-            .split_once(':')
-            .ok_or_else(|| "IDEM_API_KEYS entries must be merchant:key".to_owned())?;
-        let (merchant, key) = (merchant.trim(), key.trim());
-        if merchant.is_empty()
-            || merchant.len() > 64
-            || !merchant
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-        {
-            return Err(
-                "IDEM_API_KEYS merchant names must be 1-64 characters of A-Z, a-z, 0-9, '_' or '-'"
-                    .into(),
-            );
-        }
-        if key.len() < 8 || !key.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
-            return Err(format!(
-                "IDEM_API_KEYS key of merchant {merchant} must be at least 8 printable characters"
-            ));
-        }
-        if by_key.insert(key.to_owned(), merchant.to_owned()).is_some() {
-            return Err(format!(
-                "IDEM_API_KEYS gives the same key twice (merchant {merchant})"
-            ));
-        }
-    }
-    Ok(ApiKeys(by_key))
-}
-
-/// API key → merchant. Debug shows merchants only.
-#[derive(Clone, Default, PartialEq, Eq)]
-pub struct ApiKeys(pub BTreeMap<String, String>);
-
-impl fmt::Debug for ApiKeys {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_list().entries(self.0.values()).finish()
-    }
-}
-
 /// Status of a reused key with another request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ConflictStatus {
@@ -92,6 +49,13 @@ pub enum ConflictStatus {
     /// 422 Unprocessable Content, as the IETF draft specifies.
     #[value(name = "422")]
     Unprocessable,
+}
+
+/// On or off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LayerSwitch {
+    On,
+    Off,
 }
 
 /// Settings shared by commands that use the database.
@@ -117,7 +81,7 @@ pub struct ServeArgs {
     #[arg(long, env = "HTTP_ADDR", default_value = "127.0.0.1:8080")]
     pub http_addr: SocketAddr,
     /// API keys: `merchant_a:key_a,merchant_b:key_b`.
-    #[arg(long, env = "IDEM_API_KEYS", default_value = "", value_parser = parse_api_keys, hide_default_value = true, hide_env_values = true)]
+    #[arg(long, env = "IDEM_API_KEYS", default_value = "", value_parser = ApiKeys::parse, hide_default_value = true, hide_env_values = true)]
     pub api_keys: ApiKeys,
     /// Topic of incoming order events.
     #[arg(long, env = "KAFKA_ORDERS_TOPIC", default_value = "orders")]
@@ -148,6 +112,10 @@ pub struct ServeArgs {
         default_value = "409"
     )]
     pub conflict_status: ConflictStatus,
+    /// `off` runs the POST routes in a plain transaction without idempotency keys: only for measuring
+    /// what the layer costs. Never run a real service with it.
+    #[arg(long, env = "IDEMPOTENCY_LAYER", value_enum, default_value = "on")]
+    pub idempotency_layer: LayerSwitch,
     /// Log as JSON lines instead of text.
     #[arg(long, env = "LOG_JSON", default_value_t = false)]
     pub log_json: bool,
@@ -156,24 +124,6 @@ pub struct ServeArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn api_keys_parse_and_redact() {
-        let keys =
-            parse_api_keys("merchant_a:key_a_123456, merchant_b:key_b_123456").expect("valid");
-        assert_eq!(
-            keys.0.get("key_a_123456").map(String::as_str),
-            Some("merchant_a")
-        );
-        let shown = format!("{keys:?}");
-        assert!(
-            !shown.contains("key_a_123456") && shown.contains("merchant_b"),
-            "{shown}"
-        );
-        assert!(parse_api_keys("nocolon").is_err());
-        assert!(parse_api_keys("m:short").is_err());
-        assert!(parse_api_keys("m:same_key_1,n:same_key_1").is_err());
-    }
 
     #[test]
     fn urls_are_redacted() {

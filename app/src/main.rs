@@ -7,7 +7,12 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use config::{DbArgs, ServeArgs};
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use config::{ConflictStatus, DbArgs, LayerSwitch, ServeArgs};
+use idem_http::{ApiState, IdempotencyConfig, IdempotencyLayer};
+use idem_ports::{Clock, SystemClock, TransactionManager, UuidV7Generator};
 use idem_postgres::{PgStore, PoolSettings};
 use tokio_util::sync::CancellationToken;
 
@@ -77,12 +82,49 @@ fn cancel_on_signal(token: CancellationToken) {
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     init_tracing(args.log_json);
     tracing::info!(config = ?args, "starting idem");
+    if args.api_keys.is_empty() {
+        anyhow::bail!("IDEM_API_KEYS is empty: configure at least one merchant:key pair");
+    }
     let store = connect(&args.db).await?;
     store.migrate().await.context("applying migrations")?;
     tracing::info!("migrations applied");
+
+    let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let state = ApiState {
+        tm: tm.clone(),
+        clock: clock.clone(),
+        ids: Arc::new(UuidV7Generator),
+        payments_topic: args.payments_topic.as_str().into(),
+    };
+    let mut idem_config = IdempotencyConfig::new(args.idempotency_ttl, idem_http::merchant_scope());
+    idem_config.wait = args.idempotency_wait;
+    idem_config.conflict_status = match args.conflict_status {
+        ConflictStatus::Conflict => StatusCode::CONFLICT,
+        ConflictStatus::Unprocessable => StatusCode::UNPROCESSABLE_ENTITY,
+    };
+    let layer = match args.idempotency_layer {
+        LayerSwitch::On => IdempotencyLayer::new(tm.clone(), clock.clone(), idem_config),
+        LayerSwitch::Off => {
+            tracing::warn!(
+                "idempotency layer is OFF: requests are not deduplicated (benchmark mode)"
+            );
+            IdempotencyLayer::transaction_only(tm.clone(), clock.clone(), idem_config)
+        }
+    };
+    let app = idem_http::router(state, Arc::new(args.api_keys.clone()), layer);
+
     let shutdown = CancellationToken::new();
     cancel_on_signal(shutdown.clone());
-    shutdown.cancelled().await;
+    let listener = tokio::net::TcpListener::bind(args.http_addr)
+        .await
+        .with_context(|| format!("binding {}", args.http_addr))?;
+    tracing::info!(addr = %listener.local_addr()?, "HTTP API listening");
+    let http_shutdown = shutdown.clone();
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move { http_shutdown.cancelled().await })
+        .await
+        .context("HTTP server failed")?;
     store.pool().close().await;
     tracing::info!("stopped");
     Ok(())

@@ -178,6 +178,16 @@ mod containers {
     }
 }
 
+/// Serves `router` on a random loopback port until the test process ends; returns its base URL.
+pub async fn serve(router: axum::Router) -> anyhow::Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    Ok(format!("http://{addr}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::with_database;

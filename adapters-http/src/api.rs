@@ -1,0 +1,396 @@
+//! The payments API: `POST /payments`, `POST /payments/{id}/refund`, `GET /payments/{id}`.
+//!
+//! Request and response DTOs stay private to this module and convert explicitly into domain commands.
+
+use std::sync::Arc;
+
+use axum::Extension;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use chrono::{DateTime, SecondsFormat, Utc};
+use idem_domain::usecases::{
+    ChargeCommand, ChargeError, ChargeOutcome, Env, RefundCommand, RefundError, charge_payment,
+    refund_payment,
+};
+use idem_domain::{Amount, Currency, Money, MoneyError, RefundRuleError};
+use idem_ports::{Clock, IdGenerator, PaymentRecord, RefundRecord, StoreError, TransactionManager};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use uuid::Uuid;
+
+use crate::auth::Merchant;
+use crate::idempotency::Tx;
+use crate::problem::{Problem, ProblemKind};
+
+/// What the handlers share.
+#[derive(Clone)]
+pub struct ApiState {
+    pub tm: Arc<dyn TransactionManager>,
+    pub clock: Arc<dyn Clock>,
+    pub ids: Arc<dyn IdGenerator>,
+    pub payments_topic: Arc<str>,
+}
+
+impl std::fmt::Debug for ApiState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiState")
+            .field("payments_topic", &self.payments_topic)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ApiState {
+    fn env(&self) -> Env<'_> {
+        Env {
+            clock: &*self.clock,
+            ids: &*self.ids,
+            payments_topic: &self.payments_topic,
+        }
+    }
+}
+
+/// Errors of the API handlers; internal details are logged, never sent.
+#[derive(Debug)]
+pub enum ApiError {
+    Problem(Problem),
+    Store(StoreError),
+}
+
+impl From<Problem> for ApiError {
+    fn from(p: Problem) -> Self {
+        Self::Problem(p)
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        Self::Store(e)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        match self {
+            Self::Problem(p) => p.into_response(),
+            Self::Store(e) if e.is_transient() => {
+                tracing::warn!(error = %e, "store unavailable");
+                Problem::new(
+                    ProblemKind::StoreUnavailable,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                )
+                .retry_after(1)
+                .into_response()
+            }
+            Self::Store(e) => {
+                tracing::error!(error = %e, "store failed");
+                Problem::new(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR)
+                    .into_response()
+            }
+        }
+    }
+}
+
+fn invalid(field: impl Into<String>, detail: impl Into<String>) -> ApiError {
+    Problem::new(ProblemKind::InvalidField, StatusCode::UNPROCESSABLE_ENTITY)
+        .field(field)
+        .detail(detail)
+        .into()
+}
+
+fn not_found() -> ApiError {
+    Problem::new(ProblemKind::NotFound, StatusCode::NOT_FOUND)
+        .detail("no such payment")
+        .into()
+}
+
+/// Parses a JSON object body, checking the media type; names unknown fields.
+fn json_object(
+    headers: &HeaderMap,
+    body: &[u8],
+    allowed: &[&str],
+) -> Result<Map<String, Value>, ApiError> {
+    let media_ok = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .map(|m| m.trim().eq_ignore_ascii_case("application/json"))
+        .unwrap_or(false);
+    if !media_ok {
+        return Err(Problem::new(
+            ProblemKind::UnsupportedMediaType,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        )
+        .detail("send Content-Type: application/json")
+        .into());
+    }
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::from(
+            Problem::new(ProblemKind::MalformedJson, StatusCode::BAD_REQUEST).detail(e.to_string()),
+        )
+    })?;
+    let Value::Object(map) = value else {
+        return Err(
+            Problem::new(ProblemKind::MalformedJson, StatusCode::BAD_REQUEST)
+                .detail("the body must be a JSON object")
+                .into(),
+        );
+    };
+    if let Some(unknown) = map.keys().find(|k| !allowed.contains(&k.as_str())) {
+        let field = allowed
+            .iter()
+            .find(|a| **a == unknown)
+            .copied()
+            .unwrap_or("body");
+        return Err(invalid(field, format!("unknown field {unknown:?}")));
+    }
+    Ok(map)
+}
+
+fn string_field<'a>(map: &'a Map<String, Value>, field: &'static str) -> Result<&'a str, ApiError> {
+    match map.get(field) {
+        Some(Value::String(s)) => Ok(s),
+        Some(_) => Err(invalid(field, "must be a string")),
+        None => Err(invalid(field, "is required")),
+    }
+}
+
+fn uuid_field(map: &Map<String, Value>, field: &'static str) -> Result<Uuid, ApiError> {
+    Uuid::try_parse(string_field(map, field)?).map_err(|_| invalid(field, "must be a UUID"))
+}
+
+fn amount_field(map: &Map<String, Value>) -> Result<Amount, ApiError> {
+    match map.get("amount") {
+        Some(Value::String(s)) => Amount::parse(s).map_err(|e| invalid("amount", e.to_string())),
+        Some(Value::Number(_)) => Err(invalid(
+            "amount",
+            "must be a decimal string like \"12.34\", not a JSON number",
+        )),
+        Some(_) => Err(invalid("amount", "must be a decimal string like \"12.34\"")),
+        None => Err(invalid("amount", "is required")),
+    }
+}
+
+fn traceparent(headers: &HeaderMap) -> Option<String> {
+    let v = headers.get("traceparent")?.to_str().ok()?;
+    // version-traceid-parentid-flags, 55 characters in version 00
+    let valid = v.len() == 55
+        && v.split('-').count() == 4
+        && v.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-');
+    valid.then(|| v.to_owned())
+}
+
+fn timestamp(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Micros, true)
+}
+
+#[derive(Serialize)]
+struct PaymentBody<'a> {
+    id: Uuid,
+    order_id: Uuid,
+    customer_id: Uuid,
+    provider: &'a str,
+    external_payment_id: &'a str,
+    amount: String,
+    currency: &'a str,
+    status: idem_ports::PaymentStatus,
+    refunded_amount: String,
+    created_at: String,
+}
+
+impl<'a> From<&'a PaymentRecord> for PaymentBody<'a> {
+    fn from(p: &'a PaymentRecord) -> Self {
+        Self {
+            id: p.id,
+            order_id: p.order_id,
+            customer_id: p.customer_id,
+            provider: &p.provider,
+            external_payment_id: &p.external_payment_id,
+            amount: p.amount.to_string(),
+            currency: &p.currency,
+            status: p.status,
+            refunded_amount: p.refunded_amount.to_string(),
+            created_at: timestamp(p.created_at),
+        }
+    }
+}
+
+fn json_response(status: StatusCode, body: &impl Serialize, location: Option<String>) -> Response {
+    let bytes = match serde_json::to_vec(body) {
+        Ok(b) => b,
+        Err(_) => {
+            return Problem::new(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR)
+                .into_response();
+        }
+    };
+    let mut response = (status, bytes).into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if let Some(loc) = location.and_then(|l| HeaderValue::try_from(l).ok()) {
+        headers.insert(header::LOCATION, loc);
+    }
+    response
+}
+
+const CHARGE_FIELDS: &[&str] = &[
+    "order_id",
+    "customer_id",
+    "provider",
+    "external_payment_id",
+    "amount",
+    "currency",
+];
+
+/// `POST /payments`
+pub async fn charge(
+    State(state): State<ApiState>,
+    Extension(merchant): Extension<Merchant>,
+    headers: HeaderMap,
+    mut tx: Tx,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let map = json_object(&headers, &body, CHARGE_FIELDS)?;
+    let order_id = uuid_field(&map, "order_id")?;
+    let customer_id = uuid_field(&map, "customer_id")?;
+    let provider = string_field(&map, "provider")?;
+    let external_payment_id = string_field(&map, "external_payment_id")?;
+    let amount = amount_field(&map)?;
+    let currency = Currency::parse(string_field(&map, "currency")?)
+        .map_err(|e: MoneyError| invalid("currency", e.to_string()))?;
+    let cmd = ChargeCommand::new(
+        &merchant.0,
+        order_id,
+        customer_id,
+        provider,
+        external_payment_id,
+        Money { amount, currency },
+    )
+    .map_err(|e| invalid(e.field, e.reason))?
+    .with_traceparent(traceparent(&headers));
+    match charge_payment(tx.uow(), state.env(), &cmd).await {
+        Ok(ChargeOutcome::Created(p)) => Ok(json_response(
+            StatusCode::CREATED,
+            &PaymentBody::from(&p),
+            Some(format!("/payments/{}", p.id)),
+        )),
+        Ok(ChargeOutcome::AlreadyCharged(p)) => Ok(json_response(
+            StatusCode::OK,
+            &PaymentBody::from(&p),
+            Some(format!("/payments/{}", p.id)),
+        )),
+        Err(ChargeError::DetailsDiffer { .. }) => Err(Problem::new(
+            ProblemKind::PaymentConflict,
+            StatusCode::CONFLICT,
+        )
+        .detail(
+            "a payment with this provider and external_payment_id exists with different details",
+        )
+        .into()),
+        Err(ChargeError::Store(e)) => Err(e.into()),
+    }
+}
+
+#[derive(Serialize)]
+struct RefundBody<'a> {
+    id: Uuid,
+    payment_id: Uuid,
+    amount: String,
+    reason: Option<&'a str>,
+    created_at: String,
+    payment_status: idem_ports::PaymentStatus,
+    refunded_amount: String,
+}
+
+fn refund_body<'a>(r: &'a RefundRecord, p: &PaymentRecord) -> RefundBody<'a> {
+    RefundBody {
+        id: r.id,
+        payment_id: r.payment_id,
+        amount: r.amount.to_string(),
+        reason: r.reason.as_deref(),
+        created_at: timestamp(r.created_at),
+        payment_status: p.status,
+        refunded_amount: p.refunded_amount.to_string(),
+    }
+}
+
+/// `POST /payments/{id}/refund`
+pub async fn refund(
+    State(state): State<ApiState>,
+    Extension(merchant): Extension<Merchant>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    mut tx: Tx,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let payment_id = Uuid::try_parse(&id).map_err(|_| not_found())?;
+    let map = json_object(&headers, &body, &["amount", "reason"])?;
+    let amount = amount_field(&map)?;
+    let reason = match map.get("reason") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if s.chars().count() <= 500 && !s.chars().any(char::is_control) => {
+            Some(s.clone())
+        }
+        Some(_) => {
+            return Err(invalid(
+                "reason",
+                "must be a string of at most 500 characters without control characters",
+            ));
+        }
+    };
+    let cmd = RefundCommand {
+        merchant_id: Some(merchant.0.to_string()),
+        payment_id,
+        amount,
+        reason,
+        saga_id: None,
+        traceparent: traceparent(&headers),
+    };
+    match refund_payment(tx.uow(), state.env(), &cmd).await {
+        Ok((refund, payment)) => Ok(json_response(
+            StatusCode::CREATED,
+            &refund_body(&refund, &payment),
+            Some(format!("/payments/{}", payment.id)),
+        )),
+        Err(RefundError::NotFound) => Err(not_found()),
+        Err(RefundError::Rule(e @ RefundRuleError::ExceedsCaptured { .. })) => Err(Problem::new(
+            ProblemKind::RefundExceedsCaptured,
+            StatusCode::UNPROCESSABLE_ENTITY,
+        )
+        .field("amount")
+        .detail(e.to_string())
+        .into()),
+        Err(RefundError::Rule(e)) => Err(Problem::new(
+            ProblemKind::RefundNotAllowed,
+            StatusCode::UNPROCESSABLE_ENTITY,
+        )
+        .detail(e.to_string())
+        .into()),
+        Err(RefundError::Store(e)) => Err(e.into()),
+    }
+}
+
+/// `GET /payments/{id}`
+pub async fn get_payment(
+    State(state): State<ApiState>,
+    Extension(merchant): Extension<Merchant>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let id = Uuid::try_parse(&id).map_err(|_| not_found())?;
+    let mut uow = state.tm.begin().await?;
+    let payment = uow
+        .payments()
+        .get(id)
+        .await?
+        .filter(|p| *p.merchant_id == *merchant.0)
+        .ok_or_else(not_found)?;
+    drop(uow);
+    Ok(json_response(
+        StatusCode::OK,
+        &PaymentBody::from(&payment),
+        None,
+    ))
+}

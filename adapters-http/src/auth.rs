@@ -1,0 +1,148 @@
+//! Bearer API keys mapped to merchants.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use sha2::{Digest, Sha256};
+
+use crate::problem::{Problem, ProblemKind};
+
+/// The merchant a request is authenticated as; the idempotency scope and the owner of its payments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Merchant(pub Arc<str>);
+
+/// API keys → merchants. Keys are kept only as SHA-256 digests, so neither `Debug` nor a heap dump shows
+/// them, and lookups do not compare secrets byte by byte.
+#[derive(Clone, Default)]
+pub struct ApiKeys {
+    by_digest: HashMap<[u8; 32], Merchant>,
+}
+
+impl fmt::Debug for ApiKeys {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut merchants: Vec<&str> = self.by_digest.values().map(|m| &*m.0).collect();
+        merchants.sort_unstable();
+        f.debug_struct("ApiKeys")
+            .field("merchants", &merchants)
+            .finish()
+    }
+}
+
+fn digest(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+impl ApiKeys {
+    /// Parses `merchant_a:key_a,merchant_b:key_b`. Merchant names are 1–64 characters of `A-Z a-z 0-9 _ -`;
+    /// keys are at least 8 printable ASCII characters and unique.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let mut by_digest = HashMap::new();
+        for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (merchant, key) = pair
+                .split_once(':')
+                .ok_or_else(|| "IDEM_API_KEYS entries must be merchant:key".to_owned())?;
+            let (merchant, key) = (merchant.trim(), key.trim());
+            let name_ok = (1..=64).contains(&merchant.len())
+                && merchant
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+            if !name_ok {
+                return Err("IDEM_API_KEYS merchant names must be 1-64 characters of A-Z, a-z, 0-9, '_' or '-'".into());
+            }
+            if key.len() < 8 || key.len() > 256 || !key.bytes().all(|b| (0x21..=0x7e).contains(&b))
+            {
+                return Err(format!(
+                    "IDEM_API_KEYS key of merchant {merchant} must be 8 to 256 printable characters"
+                ));
+            }
+            if by_digest
+                .insert(digest(key), Merchant(merchant.into()))
+                .is_some()
+            {
+                return Err(format!(
+                    "IDEM_API_KEYS gives the same key twice (merchant {merchant})"
+                ));
+            }
+        }
+        Ok(Self { by_digest })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_digest.is_empty()
+    }
+
+    /// The merchant of a key.
+    pub fn merchant(&self, key: &str) -> Option<&Merchant> {
+        self.by_digest.get(&digest(key))
+    }
+}
+
+fn unauthorized(detail: &str) -> Response {
+    Problem::new(ProblemKind::Unauthorized, StatusCode::UNAUTHORIZED)
+        .detail(detail)
+        .into_response()
+}
+
+/// Middleware: authenticates `Authorization: Bearer <key>` and adds the [`Merchant`] extension.
+pub async fn authenticate(
+    State(keys): State<Arc<ApiKeys>>,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    let mut values = req.headers().get_all(header::AUTHORIZATION).iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        return unauthorized("send exactly one Authorization: Bearer <api key> header");
+    };
+    let token = value
+        .to_str()
+        .ok()
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .map(str::trim);
+    let Some(merchant) = token.and_then(|t| keys.merchant(t)).cloned() else {
+        return unauthorized("the API key is not valid");
+    };
+    req.extensions_mut().insert(merchant);
+    next.run(req).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_never_shows_keys() {
+        let keys =
+            ApiKeys::parse("merchant_a:key_a_123456, merchant_b:key_b_123456").expect("valid");
+        assert_eq!(
+            keys.merchant("key_a_123456").map(|m| &*m.0),
+            Some("merchant_a")
+        );
+        assert_eq!(
+            keys.merchant("key_b_123456").map(|m| &*m.0),
+            Some("merchant_b")
+        );
+        assert!(keys.merchant("key_c_123456").is_none());
+        let shown = format!("{keys:?}");
+        assert!(
+            !shown.contains("key_a") && shown.contains("merchant_b"),
+            "{shown}"
+        );
+    }
+
+    #[test]
+    fn rejects_bad_configuration() {
+        assert!(ApiKeys::parse("nocolon").is_err());
+        assert!(ApiKeys::parse("m:short").is_err());
+        assert!(ApiKeys::parse("m:same_key_1,n:same_key_1").is_err());
+        assert!(ApiKeys::parse("bad name:key_123456789").is_err());
+        assert!(ApiKeys::parse("").is_ok_and(|k| k.is_empty()));
+    }
+}

@@ -1,0 +1,478 @@
+//! A reusable tower layer that makes an axum route idempotent and transactional.
+//!
+//! For each request the layer:
+//! 1. buffers the body (bounded) and reads the `Idempotency-Key` (exactly one, bare or sf-string form);
+//! 2. begins a unit of work and **claims** `(scope, key)` in it — an in-flight row, uncommitted;
+//!    a concurrent request with the same key blocks on that row for at most `wait`;
+//! 3. if the key holds a live record, decides with [`idem_domain::decide`]: replay the stored response,
+//!    409/422 for a different request, 409 + `Retry-After` while the first is still running;
+//! 4. otherwise hands the unit of work to the handler through a request extension (extractor [`Tx`]);
+//!    the handler writes its business rows through it and returns;
+//! 5. for a 2xx/4xx answer, stores status, allow-listed headers and body in the same unit and commits —
+//!    the business effect and its idempotency record become visible together, or not at all;
+//!    for a 5xx answer, or a 4xx the handler marked [`Unexecuted`] (input rejected before anything ran),
+//!    rolls everything back and stores nothing, so a retry executes again.
+//!
+//! With [`IdempotencyLayer::transaction_only`] the layer skips steps 1–3 (no key needed) and just runs the
+//! handler in a unit of work: the "layer off" baseline.
+
+use std::convert::Infallible;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::FromRequestParts;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header, request::Parts};
+use axum::response::{IntoResponse, Response};
+use idem_domain::{Decision, Fingerprint, IdempotencyKey, TtlPolicy, decide};
+use idem_ports::{
+    ClaimOutcome, Clock, IdempotencyClaim, StoreError, StoredResponse, TransactionManager,
+    UnitOfWork,
+};
+use tokio::sync::{Mutex, OwnedMutexGuard};
+use tower::{Layer, Service};
+
+use crate::problem::{Problem, ProblemKind};
+
+/// The request header carrying the key.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+/// Set to `true` on a replayed response.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// Response headers stored and replayed. Everything else (Set-Cookie, Date, auth, request ids, rate
+/// limits, framing such as Content-Length/Transfer-Encoding) is never replayed.
+pub const REPLAYED_HEADERS: &[&str] = &[
+    "content-type",
+    "content-language",
+    "location",
+    "etag",
+    "last-modified",
+    "link",
+];
+
+/// Derives the idempotency scope (for example the authenticated merchant) from the request. `None`
+/// refuses the request with 401: a key must never be shared across principals by accident.
+pub type ScopeFn = Arc<dyn Fn(&Parts) -> Option<String> + Send + Sync>;
+
+/// Idempotency settings.
+#[derive(Clone)]
+pub struct IdempotencyConfig {
+    /// How long a stored response is replayed.
+    pub ttl: TtlPolicy,
+    /// How long a duplicate waits for the in-flight first request before answering 409.
+    pub wait: Duration,
+    /// Status for a key reused with a different request: 409 (seed) or 422 (IETF draft).
+    pub conflict_status: StatusCode,
+    pub scope: ScopeFn,
+    /// Largest request body accepted (413 beyond).
+    pub max_request_body: usize,
+    /// Largest response body stored (a larger one is a 500, rolled back).
+    pub max_response_body: usize,
+}
+
+impl fmt::Debug for IdempotencyConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyConfig")
+            .field("ttl", &self.ttl)
+            .field("wait", &self.wait)
+            .field("conflict_status", &self.conflict_status)
+            .field("max_request_body", &self.max_request_body)
+            .finish_non_exhaustive()
+    }
+}
+
+impl IdempotencyConfig {
+    /// Defaults: 2 s wait, 409 on reuse, 64 KiB requests, 1 MiB responses.
+    pub fn new(ttl: TtlPolicy, scope: ScopeFn) -> Self {
+        Self {
+            ttl,
+            wait: Duration::from_secs(2),
+            conflict_status: StatusCode::CONFLICT,
+            scope,
+            max_request_body: 64 * 1024,
+            max_response_body: 1024 * 1024,
+        }
+    }
+}
+
+struct Shared {
+    tm: Arc<dyn TransactionManager>,
+    clock: Arc<dyn Clock>,
+    config: IdempotencyConfig,
+    enforce_keys: bool,
+}
+
+/// The layer. Apply it with `Router::route_layer` to the routes that must be idempotent, inside the
+/// authentication layer (the scope function reads what authentication established).
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("config", &self.shared.config)
+            .field("enforce_keys", &self.shared.enforce_keys)
+            .finish()
+    }
+}
+
+impl IdempotencyLayer {
+    pub fn new(
+        tm: Arc<dyn TransactionManager>,
+        clock: Arc<dyn Clock>,
+        config: IdempotencyConfig,
+    ) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                tm,
+                clock,
+                config,
+                enforce_keys: true,
+            }),
+        }
+    }
+
+    /// Runs each request in a unit of work without idempotency keys (the baseline to measure the layer
+    /// against). Body limits still apply.
+    pub fn transaction_only(
+        tm: Arc<dyn TransactionManager>,
+        clock: Arc<dyn Clock>,
+        config: IdempotencyConfig,
+    ) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                tm,
+                clock,
+                config,
+                enforce_keys: false,
+            }),
+        }
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService {
+            inner,
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// The service the layer wraps around a route.
+#[derive(Clone)]
+pub struct IdempotencyService<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S> fmt::Debug for IdempotencyService<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyService").finish_non_exhaustive()
+    }
+}
+
+impl<S> Service<Request<Body>> for IdempotencyService<S>
+where
+    S: Service<Request<Body>, Response = Response, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        // The clone that was driven to readiness is the one used (tower's documented pattern).
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let shared = self.shared.clone();
+        Box::pin(async move { Ok(handle(shared, inner, req).await) })
+    }
+}
+
+/// Response extension set by a handler that rejected its input before executing anything: the layer
+/// rolls back and stores nothing, as for a 5xx, so the corrected request may reuse the key.
+#[derive(Debug, Clone, Copy)]
+pub struct Unexecuted;
+
+/// The unit of work handed to the handler (request extension). The layer keeps the other reference and
+/// takes the unit back after the handler returned.
+#[derive(Clone)]
+pub struct UnitOfWorkHandle(Arc<Mutex<Option<Box<dyn UnitOfWork>>>>);
+
+impl fmt::Debug for UnitOfWorkHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("UnitOfWorkHandle")
+    }
+}
+
+/// Extractor: the request's unit of work. Holding it gives the handler exclusive use of the transaction;
+/// it never commits — the layer does, after storing the response.
+pub struct Tx(OwnedMutexGuard<Option<Box<dyn UnitOfWork>>>);
+
+impl fmt::Debug for Tx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Tx")
+    }
+}
+
+impl Tx {
+    pub fn uow(&mut self) -> &mut dyn UnitOfWork {
+        match self.0.as_deref_mut() {
+            Some(uow) => uow,
+            // `from_request_parts` only builds a Tx around a present unit, and only the layer takes it,
+            // after the handler has returned.
+            None => unreachable!("unit of work taken while the handler held it"),
+        }
+    }
+}
+
+impl<St: Send + Sync> FromRequestParts<St> for Tx {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &St) -> Result<Self, Problem> {
+        let missing = || {
+            tracing::error!(
+                "handler needs a unit of work but the IdempotencyLayer is not installed on its route"
+            );
+            Problem::new(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR)
+        };
+        let handle = parts
+            .extensions
+            .get::<UnitOfWorkHandle>()
+            .cloned()
+            .ok_or_else(missing)?;
+        let guard = handle.0.lock_owned().await;
+        if guard.is_none() {
+            return Err(missing());
+        }
+        Ok(Tx(guard))
+    }
+}
+
+fn layer_problem(kind: ProblemKind, status: StatusCode) -> Problem {
+    Problem::new(kind, status).no_store()
+}
+
+fn unavailable(err: &StoreError) -> Response {
+    tracing::warn!(error = %err, "idempotency store unavailable");
+    layer_problem(
+        ProblemKind::StoreUnavailable,
+        StatusCode::SERVICE_UNAVAILABLE,
+    )
+    .detail("the request was not executed; retry with the same Idempotency-Key")
+    .retry_after(1)
+    .into_response()
+}
+
+fn store_failure(err: &StoreError) -> Response {
+    if err.is_transient() {
+        return unavailable(err);
+    }
+    tracing::error!(error = %err, "idempotency store failed");
+    layer_problem(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR).into_response()
+}
+
+fn in_flight() -> Response {
+    layer_problem(ProblemKind::RequestInFlight, StatusCode::CONFLICT)
+        .detail("a request with this Idempotency-Key is still being processed; retry later")
+        .retry_after(1)
+        .into_response()
+}
+
+/// Reads exactly one `Idempotency-Key` header.
+fn read_key(headers: &HeaderMap) -> Result<IdempotencyKey, Problem> {
+    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    match (values.next(), values.next()) {
+        (None, _) => Err(layer_problem(
+            ProblemKind::IdempotencyKeyMissing,
+            StatusCode::BAD_REQUEST,
+        )
+        .detail(
+            "send an Idempotency-Key header (one per business operation, reused on every retry)",
+        )),
+        (Some(_), Some(_)) => Err(layer_problem(
+            ProblemKind::IdempotencyKeyInvalid,
+            StatusCode::BAD_REQUEST,
+        )
+        .detail("send exactly one Idempotency-Key header")),
+        (Some(v), None) => IdempotencyKey::from_header_value(v.as_bytes()).map_err(|e| {
+            layer_problem(ProblemKind::IdempotencyKeyInvalid, StatusCode::BAD_REQUEST)
+                .detail(e.to_string())
+        }),
+    }
+}
+
+fn too_large(limit: usize) -> Problem {
+    layer_problem(ProblemKind::PayloadTooLarge, StatusCode::PAYLOAD_TOO_LARGE)
+        .detail(format!("request bodies are limited to {limit} bytes"))
+}
+
+async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Bytes, Problem> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limit as u64) {
+        return Err(too_large(limit));
+    }
+    axum::body::to_bytes(body, limit)
+        .await
+        .map_err(|_| too_large(limit))
+}
+
+fn replay(stored: &StoredResponse) -> Response {
+    let mut response = Response::new(Body::from(stored.body.clone()));
+    *response.status_mut() = StatusCode::from_u16(stored.status_code).unwrap_or(StatusCode::OK);
+    let headers = response.headers_mut();
+    for (name, value) in &stored.headers {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::try_from(name.as_str()),
+            HeaderValue::try_from(value.as_str()),
+        ) {
+            headers.append(n, v);
+        }
+    }
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    response
+}
+
+async fn handle<S>(shared: Arc<Shared>, inner: S, req: Request<Body>) -> Response
+where
+    S: Service<Request<Body>, Response = Response, Error = Infallible> + Send,
+    S::Future: Send,
+{
+    let (parts, body) = req.into_parts();
+    let config = &shared.config;
+    if !shared.enforce_keys {
+        let body = match read_body(body, &parts.headers, config.max_request_body).await {
+            Ok(b) => b,
+            Err(problem) => return problem.into_response(),
+        };
+        let uow = match shared.tm.begin().await {
+            Ok(uow) => uow,
+            Err(e) => return store_failure(&e),
+        };
+        return execute(&shared, inner, parts, body, uow, None).await;
+    }
+
+    let key = match read_key(&parts.headers) {
+        Ok(k) => k,
+        Err(problem) => return problem.into_response(),
+    };
+    let Some(scope) = (config.scope)(&parts) else {
+        return Problem::new(ProblemKind::Unauthorized, StatusCode::UNAUTHORIZED).into_response();
+    };
+    let body = match read_body(body, &parts.headers, config.max_request_body).await {
+        Ok(b) => b,
+        Err(problem) => return problem.into_response(),
+    };
+    let route = parts
+        .uri
+        .path_and_query()
+        .map_or(parts.uri.path(), |pq| pq.as_str());
+    let fingerprint = Fingerprint::of_request(parts.method.as_str(), route, &body);
+
+    let mut uow = match shared.tm.begin().await {
+        Ok(uow) => uow,
+        Err(e) => return store_failure(&e),
+    };
+    let now = shared.clock.now();
+    let claim = IdempotencyClaim {
+        scope,
+        key: key.as_str().to_owned(),
+        command_hash: *fingerprint.as_bytes(),
+        created_at: now,
+        expires_at: config.ttl.expires_at(now),
+    };
+    match uow.idempotency().claim(&claim, now, config.wait).await {
+        Ok(ClaimOutcome::Claimed) => execute(&shared, inner, parts, body, uow, Some(claim)).await,
+        Ok(ClaimOutcome::Existing(record)) => match decide(Some(&record), &fingerprint, now) {
+            Decision::Replay(stored) => {
+                tracing::debug!(key = %claim.key, "idempotent replay");
+                replay(stored)
+            }
+            Decision::Conflict => layer_problem(ProblemKind::IdempotencyKeyReused, config.conflict_status)
+                .detail("this Idempotency-Key was already used with a different request; use a new key for a new operation")
+                .into_response(),
+            Decision::InFlight | Decision::Execute => in_flight(),
+        },
+        Err(StoreError::LockTimeout) => in_flight(),
+        Err(e) => store_failure(&e),
+    }
+}
+
+async fn execute<S>(
+    shared: &Shared,
+    mut inner: S,
+    parts: Parts,
+    body: Bytes,
+    uow: Box<dyn UnitOfWork>,
+    claim: Option<IdempotencyClaim>,
+) -> Response
+where
+    S: Service<Request<Body>, Response = Response, Error = Infallible> + Send,
+    S::Future: Send,
+{
+    let handle = UnitOfWorkHandle(Arc::new(Mutex::new(Some(uow))));
+    let mut req = Request::from_parts(parts, Body::from(body));
+    req.extensions_mut().insert(handle.clone());
+    let response = match inner.call(req).await {
+        Ok(r) => r,
+        Err(never) => match never {},
+    };
+    let Some(mut uow) = handle.0.lock().await.take() else {
+        return layer_problem(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR)
+            .into_response();
+    };
+    if response.status().is_server_error() || response.extensions().get::<Unexecuted>().is_some() {
+        // Roll back the business effect and the claim: nothing is stored, a retry executes again.
+        drop(uow);
+        return response;
+    }
+    let (mut resp_parts, resp_body) = response.into_parts();
+    let Ok(resp_bytes) = axum::body::to_bytes(resp_body, shared.config.max_response_body).await
+    else {
+        tracing::error!("response body too large to store; rolled back");
+        return layer_problem(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR)
+            .into_response();
+    };
+    if let Some(claim) = &claim {
+        let stored = StoredResponse {
+            status_code: resp_parts.status.as_u16(),
+            headers: resp_parts
+                .headers
+                .iter()
+                .filter(|(n, _)| REPLAYED_HEADERS.contains(&n.as_str()))
+                .filter_map(|(n, v)| Some((n.as_str().to_owned(), v.to_str().ok()?.to_owned())))
+                .collect(),
+            body: resp_bytes.to_vec(),
+        };
+        if let Err(e) = uow
+            .idempotency()
+            .complete(&claim.scope, &claim.key, &stored)
+            .await
+        {
+            return store_failure(&e);
+        }
+    }
+    if let Err(e) = uow.commit().await {
+        // Nothing was committed, or (connection lost during COMMIT) the outcome is unknown: either way a
+        // retry with the same key is safe — it executes again or replays.
+        return store_failure(&e);
+    }
+    resp_parts.headers.remove(header::CONTENT_LENGTH);
+    Response::from_parts(resp_parts, Body::from(resp_bytes))
+}

@@ -1,0 +1,182 @@
+//! RFC 9457 problem details (`application/problem+json`), with a stable `type` per kind of error.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+/// Media type of problem responses.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// The kinds of error the API answers with. Each has a stable `type` URI clients may match on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProblemKind {
+    Unauthorized,
+    IdempotencyKeyMissing,
+    IdempotencyKeyInvalid,
+    IdempotencyKeyReused,
+    RequestInFlight,
+    StoreUnavailable,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+    MalformedJson,
+    InvalidField,
+    NotFound,
+    MethodNotAllowed,
+    PaymentConflict,
+    RefundExceedsCaptured,
+    RefundNotAllowed,
+    Internal,
+}
+
+impl ProblemKind {
+    /// The stable `type` URI.
+    pub fn type_uri(self) -> &'static str {
+        match self {
+            Self::Unauthorized => "urn:idem:problem:unauthorized",
+            Self::IdempotencyKeyMissing => "urn:idem:problem:idempotency-key-missing",
+            Self::IdempotencyKeyInvalid => "urn:idem:problem:idempotency-key-invalid",
+            Self::IdempotencyKeyReused => "urn:idem:problem:idempotency-key-reused",
+            Self::RequestInFlight => "urn:idem:problem:request-in-flight",
+            Self::StoreUnavailable => "urn:idem:problem:service-unavailable",
+            Self::PayloadTooLarge => "urn:idem:problem:payload-too-large",
+            Self::UnsupportedMediaType => "urn:idem:problem:unsupported-media-type",
+            Self::MalformedJson => "urn:idem:problem:malformed-json",
+            Self::InvalidField => "urn:idem:problem:invalid-field",
+            Self::NotFound => "urn:idem:problem:not-found",
+            Self::MethodNotAllowed => "urn:idem:problem:method-not-allowed",
+            Self::PaymentConflict => "urn:idem:problem:payment-conflict",
+            Self::RefundExceedsCaptured => "urn:idem:problem:refund-exceeds-captured",
+            Self::RefundNotAllowed => "urn:idem:problem:refund-not-allowed",
+            Self::Internal => "urn:idem:problem:internal",
+        }
+    }
+
+    fn title(self) -> &'static str {
+        match self {
+            Self::Unauthorized => "Missing or invalid API key",
+            Self::IdempotencyKeyMissing => "Idempotency-Key header is required",
+            Self::IdempotencyKeyInvalid => "Idempotency-Key header is invalid",
+            Self::IdempotencyKeyReused => {
+                "Idempotency-Key was already used with a different request"
+            }
+            Self::RequestInFlight => "A request with this Idempotency-Key is still being processed",
+            Self::StoreUnavailable => "Service temporarily unavailable",
+            Self::PayloadTooLarge => "Request body too large",
+            Self::UnsupportedMediaType => "Request body must be application/json",
+            Self::MalformedJson => "Request body is not valid JSON",
+            Self::InvalidField => "Request field is missing or invalid",
+            Self::NotFound => "Not found",
+            Self::MethodNotAllowed => "Method not allowed",
+            Self::PaymentConflict => "A different payment already uses this provider payment id",
+            Self::RefundExceedsCaptured => "Refund exceeds what is left to refund",
+            Self::RefundNotAllowed => "Payment cannot be refunded",
+            Self::Internal => "Internal error",
+        }
+    }
+}
+
+/// A problem response.
+#[derive(Debug, Clone, Serialize)]
+pub struct Problem {
+    #[serde(rename = "type")]
+    type_uri: &'static str,
+    title: &'static str,
+    status: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detail: Option<String>,
+    /// The request field at fault, for validation problems.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    field: Option<String>,
+    #[serde(skip)]
+    kind: Option<ProblemKind>,
+    #[serde(skip)]
+    retry_after_secs: Option<u32>,
+    #[serde(skip)]
+    no_store: bool,
+    #[serde(skip)]
+    unexecuted: bool,
+}
+
+impl Problem {
+    /// A problem of `kind`. Input rejections (malformed JSON, wrong media type, invalid field, oversize
+    /// body) are [`Problem::unexecuted`] from the start.
+    pub fn new(kind: ProblemKind, status: StatusCode) -> Self {
+        use ProblemKind::*;
+        Self {
+            type_uri: kind.type_uri(),
+            title: kind.title(),
+            status: status.as_u16(),
+            detail: None,
+            field: None,
+            kind: Some(kind),
+            retry_after_secs: None,
+            no_store: false,
+            unexecuted: matches!(
+                kind,
+                MalformedJson | UnsupportedMediaType | InvalidField | PayloadTooLarge
+            ),
+        }
+    }
+
+    /// Marks the answer as a rejection of the input before anything was executed: the idempotency layer
+    /// stores nothing for it, so the client may fix the request and retry with the same key.
+    pub fn unexecuted(mut self) -> Self {
+        self.unexecuted = true;
+        self
+    }
+
+    pub fn detail(mut self, detail: impl Into<String>) -> Self {
+        self.detail = Some(detail.into());
+        self
+    }
+
+    pub fn field(mut self, field: impl Into<String>) -> Self {
+        self.field = Some(field.into());
+        self
+    }
+
+    pub fn retry_after(mut self, secs: u32) -> Self {
+        self.retry_after_secs = Some(secs);
+        self
+    }
+
+    /// Marks the answer as not cacheable (`Cache-Control: no-store`): used for the idempotency layer's own
+    /// answers, which describe a transient state of the key.
+    pub fn no_store(mut self) -> Self {
+        self.no_store = true;
+        self
+    }
+
+    pub fn kind(&self) -> Option<ProblemKind> {
+        self.kind
+    }
+
+    pub fn status(&self) -> StatusCode {
+        StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        let body = serde_json::to_vec(&self).unwrap_or_else(|_| b"{}".to_vec());
+        let mut response = (status, body).into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        if let Some(secs) = self.retry_after_secs {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if self.no_store {
+            headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        }
+        if status == StatusCode::UNAUTHORIZED {
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if self.unexecuted {
+            response
+                .extensions_mut()
+                .insert(crate::idempotency::Unexecuted);
+        }
+        response
+    }
+}

@@ -1,0 +1,799 @@
+//! The payments API and its idempotency layer, through real HTTP against real PostgreSQL.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use idem_domain::TtlPolicy;
+use idem_domain::usecases::{ChargeCommand, Env, charge_payment};
+use idem_domain::{Amount, Currency, Money};
+use idem_http::{ApiKeys, ApiState, IdempotencyConfig, IdempotencyLayer, Tx};
+use idem_ports::{Clock, SystemClock, TransactionManager, UuidV7Generator};
+use idem_postgres::PgStore;
+use idem_tests::TestDb;
+use reqwest::header::HeaderMap;
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+const KEY_A: &str = "key_a_0123456789";
+const KEY_B: &str = "key_b_0123456789";
+
+struct Api {
+    db: TestDb,
+    base: String,
+    http: reqwest::Client,
+}
+
+fn layer_config(conflict: StatusCode) -> IdempotencyConfig {
+    let ttl = TtlPolicy::new(Duration::from_secs(48 * 3600)).expect("valid ttl");
+    let mut config = IdempotencyConfig::new(ttl, idem_http::merchant_scope());
+    config.conflict_status = conflict;
+    config.wait = Duration::from_secs(5);
+    config
+}
+
+fn api_state(store: &PgStore) -> ApiState {
+    ApiState {
+        tm: Arc::new(store.clone()),
+        clock: Arc::new(SystemClock),
+        ids: Arc::new(UuidV7Generator),
+        payments_topic: "payments".into(),
+    }
+}
+
+fn keys() -> Arc<ApiKeys> {
+    Arc::new(ApiKeys::parse(&format!("merchant_a:{KEY_A},merchant_b:{KEY_B}")).expect("valid keys"))
+}
+
+async fn spawn_with(db: TestDb, conflict: StatusCode) -> anyhow::Result<Api> {
+    let tm: Arc<dyn TransactionManager> = Arc::new(db.store.clone());
+    let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), layer_config(conflict));
+    let router = idem_http::router(api_state(&db.store), keys(), layer);
+    let base = idem_tests::serve(router).await?;
+    Ok(Api {
+        db,
+        base,
+        http: reqwest::Client::new(),
+    })
+}
+
+async fn spawn() -> anyhow::Result<Api> {
+    spawn_with(TestDb::new().await?, StatusCode::CONFLICT).await
+}
+
+struct Reply {
+    status: u16,
+    headers: HeaderMap,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+    fn problem_type(&self) -> String {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "status {}",
+            self.status
+        );
+        self.json()["type"].as_str().unwrap_or_default().to_owned()
+    }
+}
+
+impl Api {
+    async fn send(&self, req: reqwest::RequestBuilder) -> anyhow::Result<Reply> {
+        let resp = req.send().await?;
+        Ok(Reply {
+            status: resp.status().as_u16(),
+            headers: resp.headers().clone(),
+            body: resp.bytes().await?.to_vec(),
+        })
+    }
+
+    async fn post(
+        &self,
+        path: &str,
+        api_key: &str,
+        idem_key: Option<&str>,
+        body: &str,
+    ) -> anyhow::Result<Reply> {
+        let mut req = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .bearer_auth(api_key)
+            .header("content-type", "application/json")
+            .body(body.to_owned());
+        if let Some(k) = idem_key {
+            req = req.header("idempotency-key", k);
+        }
+        self.send(req).await
+    }
+
+    async fn charge(&self, api_key: &str, idem_key: &str, body: &Value) -> anyhow::Result<Reply> {
+        self.post("/payments", api_key, Some(idem_key), &body.to_string())
+            .await
+    }
+
+    async fn get(&self, path: &str, api_key: &str) -> anyhow::Result<Reply> {
+        self.send(
+            self.http
+                .get(format!("{}{path}", self.base))
+                .bearer_auth(api_key),
+        )
+        .await
+    }
+}
+
+fn charge_body(external: &str, amount: &str) -> Value {
+    json!({
+        "order_id": Uuid::now_v7(),
+        "customer_id": Uuid::now_v7(),
+        "provider": "stripe",
+        "external_payment_id": external,
+        "amount": amount,
+        "currency": "EUR",
+    })
+}
+
+#[tokio::test]
+async fn replay_is_byte_for_byte() -> anyhow::Result<()> {
+    let api = spawn().await?;
+    let body = charge_body("pi_replay", "12.34");
+    let first = api.charge(KEY_A, "key-replay", &body).await?;
+    assert_eq!(first.status, 201);
+    assert_eq!(first.json()["amount"], "12.3400");
+    assert_eq!(first.json()["status"], "captured");
+    assert!(first.header("idempotent-replayed").is_none());
+    let second = api.charge(KEY_A, "key-replay", &body).await?;
+    assert_eq!(second.status, 201);
+    assert_eq!(second.body, first.body, "replayed body differs");
+    assert_eq!(second.header("idempotent-replayed"), Some("true"));
+    assert_eq!(second.header("location"), first.header("location"));
+    assert_eq!(second.header("content-type"), Some("application/json"));
+    assert_eq!(api.db.count("payment").await?, 1);
+    assert_eq!(api.db.count("outbox_message").await?, 1);
+    // the structured-field form names the same key
+    let third = api.charge(KEY_A, "\"key-replay\"", &body).await?;
+    assert_eq!(
+        (third.status, third.body.clone()),
+        (201, first.body.clone())
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn changed_body_is_a_conflict_and_reformatted_json_is_not() -> anyhow::Result<()> {
+    let api = spawn().await?;
+    let body = charge_body("pi_conflict", "10.00");
+    let first = api.charge(KEY_A, "key-c", &body).await?;
+    assert_eq!(first.status, 201);
+
+    let mut changed = body.clone();
+    changed["amount"] = json!("10.01");
+    let conflict = api.charge(KEY_A, "key-c", &changed).await?;
+    assert_eq!(conflict.status, 409);
+    assert_eq!(
+        conflict.problem_type(),
+        "urn:idem:problem:idempotency-key-reused"
+    );
+    assert_eq!(conflict.header("cache-control"), Some("no-store"));
+
+    // same JSON, other key order and whitespace
+    let obj = body.as_object().expect("object");
+    let mut fields: Vec<String> = obj
+        .iter()
+        .map(|(k, v)| format!("\n  \"{k}\" :  {v}"))
+        .collect();
+    fields.reverse();
+    let reformatted = format!("{{{}\n}}", fields.join(" ,"));
+    let replay = api
+        .post("/payments", KEY_A, Some("key-c"), &reformatted)
+        .await?;
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(api.db.count("payment").await?, 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn conflict_status_can_follow_the_ietf_draft() -> anyhow::Result<()> {
+    let api = spawn_with(TestDb::new().await?, StatusCode::UNPROCESSABLE_ENTITY).await?;
+    let body = charge_body("pi_422", "1.00");
+    assert_eq!(api.charge(KEY_A, "k422", &body).await?.status, 201);
+    let reuse = api
+        .charge(KEY_A, "k422", &charge_body("pi_422_other", "1.00"))
+        .await?;
+    assert_eq!(reuse.status, 422);
+    assert_eq!(
+        reuse.problem_type(),
+        "urn:idem:problem:idempotency-key-reused"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn fifty_concurrent_identical_requests_create_one_payment() -> anyhow::Result<()> {
+    let api = Arc::new(spawn().await?);
+    let body = charge_body("pi_storm", "50.00");
+    let mut tasks = Vec::new();
+    for _ in 0..50 {
+        let (api, body) = (api.clone(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            api.charge(KEY_A, "storm-key", &body).await
+        }));
+    }
+    let mut bodies = std::collections::BTreeSet::new();
+    let (mut ok, mut in_flight) = (0, 0);
+    for t in tasks {
+        let r = t.await??;
+        match r.status {
+            201 => {
+                ok += 1;
+                bodies.insert(r.body.clone());
+            }
+            409 => {
+                assert_eq!(r.problem_type(), "urn:idem:problem:request-in-flight");
+                assert!(r.header("retry-after").is_some());
+                in_flight += 1;
+            }
+            other => panic!(
+                "unexpected status {other}: {}",
+                String::from_utf8_lossy(&r.body)
+            ),
+        }
+    }
+    assert_eq!(ok + in_flight, 50);
+    assert!(ok >= 1);
+    assert_eq!(bodies.len(), 1, "every success is the same payment");
+    assert_eq!(api.db.count("payment").await?, 1);
+    assert_eq!(api.db.count("idempotency_record").await?, 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn keys_are_scoped_by_merchant() -> anyhow::Result<()> {
+    let api = spawn().await?;
+    let a = api
+        .charge(KEY_A, "shared-key", &charge_body("pi_iso_a", "5.00"))
+        .await?;
+    assert_eq!(a.status, 201);
+    let b = api
+        .charge(KEY_B, "shared-key", &charge_body("pi_iso_b", "7.00"))
+        .await?;
+    assert_eq!(b.status, 201, "merchant B executes its own request");
+    assert!(b.header("idempotent-replayed").is_none());
+    assert_ne!(a.json()["id"], b.json()["id"]);
+    assert_eq!(b.json()["amount"], "7.0000");
+    // B sending A's exact request under A's key still never sees A's response
+    let b2 = api
+        .charge(KEY_B, "shared-key-2", &charge_body("pi_iso_a", "5.00"))
+        .await?;
+    assert_eq!(b2.status, 409);
+    assert_eq!(b2.problem_type(), "urn:idem:problem:payment-conflict");
+    assert!(!String::from_utf8_lossy(&b2.body).contains(a.json()["id"].as_str().unwrap_or("-")));
+    // and A's payment is invisible to B
+    let path = format!("/payments/{}", a.json()["id"].as_str().unwrap_or_default());
+    assert_eq!(api.get(&path, KEY_B).await?.status, 404);
+    assert_eq!(api.get(&path, KEY_A).await?.status, 200);
+    Ok(())
+}
+
+#[tokio::test]
+async fn unique_provider_payment_across_keys() -> anyhow::Result<()> {
+    let api = spawn().await?;
+    let body = charge_body("pi_double", "20.00");
+    let first = api.charge(KEY_A, "dp-1", &body).await?;
+    assert_eq!(first.status, 201);
+    let second = api.charge(KEY_A, "dp-2", &body).await?;
+    assert_eq!(second.status, 200, "same payment under another key");
+    assert_eq!(second.json()["id"], first.json()["id"]);
+    let mut other = body.clone();
+    other["amount"] = json!("21.00");
+    let third = api.charge(KEY_A, "dp-3", &other).await?;
+    assert_eq!(third.status, 409);
+    assert_eq!(third.problem_type(), "urn:idem:problem:payment-conflict");
+    assert_eq!(api.db.count("payment").await?, 1);
+    // the 4xx answer is stored and replayed too
+    let again = api.charge(KEY_A, "dp-3", &other).await?;
+    assert_eq!(
+        (again.status, again.header("idempotent-replayed")),
+        (409, Some("true"))
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn refunds_and_reads() -> anyhow::Result<()> {
+    let api = spawn().await?;
+    let paid = api
+        .charge(KEY_A, "rf-charge", &charge_body("pi_refund", "10.00"))
+        .await?;
+    let id = paid.json()["id"].as_str().unwrap_or_default().to_owned();
+    let path = format!("/payments/{id}/refund");
+    let r1 = api
+        .post(
+            &path,
+            KEY_A,
+            Some("rf-1"),
+            r#"{"amount":"4.00","reason":"damaged"}"#,
+        )
+        .await?;
+    assert_eq!(r1.status, 201, "{}", String::from_utf8_lossy(&r1.body));
+    assert_eq!(r1.json()["payment_status"], "partially_refunded");
+    let replay = api
+        .post(
+            &path,
+            KEY_A,
+            Some("rf-1"),
+            r#"{"amount":"4.00","reason":"damaged"}"#,
+        )
+        .await?;
+    assert_eq!(replay.body, r1.body);
+    let too_much = api
+        .post(&path, KEY_A, Some("rf-2"), r#"{"amount":"6.01"}"#)
+        .await?;
+    assert_eq!(too_much.status, 422);
+    assert_eq!(
+        too_much.problem_type(),
+        "urn:idem:problem:refund-exceeds-captured"
+    );
+    let rest = api
+        .post(&path, KEY_A, Some("rf-3"), r#"{"amount":"6"}"#)
+        .await?;
+    assert_eq!(rest.json()["payment_status"], "refunded");
+    let unknown = api
+        .post(
+            &format!("/payments/{}/refund", Uuid::now_v7()),
+            KEY_A,
+            Some("rf-4"),
+            r#"{"amount":"1"}"#,
+        )
+        .await?;
+    assert_eq!(unknown.status, 404);
+    let other_merchant = api
+        .post(&path, KEY_B, Some("rf-5"), r#"{"amount":"1"}"#)
+        .await?;
+    assert_eq!(other_merchant.status, 404);
+    let got = api.get(&format!("/payments/{id}"), KEY_A).await?;
+    assert_eq!(
+        (got.status, got.json()["refunded_amount"].clone()),
+        (200, json!("10.0000"))
+    );
+    assert_eq!(api.db.count("refund").await?, 2);
+    Ok(())
+}
+
+#[tokio::test]
+async fn handler_failure_after_insert_stores_nothing_and_retry_succeeds() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let fail_once = Arc::new(AtomicBool::new(true));
+    let tm: Arc<dyn TransactionManager> = Arc::new(db.store.clone());
+    let layer = IdempotencyLayer::new(
+        tm,
+        Arc::new(SystemClock),
+        layer_config(StatusCode::CONFLICT),
+    );
+    let flag = fail_once.clone();
+    let handler = move |mut tx: Tx| {
+        let flag = flag.clone();
+        async move {
+            let money = Money {
+                amount: Amount::parse("3.00").expect("valid"),
+                currency: Currency::parse("EUR").expect("valid"),
+            };
+            let cmd = ChargeCommand::new(
+                "merchant_a",
+                Uuid::from_u128(1),
+                Uuid::from_u128(2),
+                "stripe",
+                "pi_fail",
+                money,
+            )
+            .expect("valid");
+            let (clock, ids) = (SystemClock, UuidV7Generator);
+            let env = Env {
+                clock: &clock as &dyn Clock,
+                ids: &ids,
+                payments_topic: "payments",
+            };
+            let out = charge_payment(tx.uow(), env, &cmd).await;
+            assert!(out.is_ok(), "insert worked inside the transaction");
+            if flag.swap(false, Ordering::SeqCst) {
+                return (StatusCode::INTERNAL_SERVER_ERROR, "provider exploded").into_response();
+            }
+            (StatusCode::CREATED, "charged").into_response()
+        }
+    };
+    let router = axum::Router::new()
+        .route("/charge", axum::routing::post(handler))
+        .route_layer(layer)
+        .layer(axum::middleware::from_fn(
+            |mut req: axum::extract::Request, next: axum::middleware::Next| async move {
+                req.extensions_mut()
+                    .insert(idem_http::Merchant("merchant_a".into()));
+                next.run(req).await
+            },
+        ));
+    let base = idem_tests::serve(router).await?;
+    let http = reqwest::Client::new();
+    let send = || {
+        http.post(format!("{base}/charge"))
+            .header("idempotency-key", "fail-key")
+            .body("{}")
+            .send()
+    };
+    let first = send().await?;
+    assert_eq!(first.status().as_u16(), 500);
+    assert_eq!(db.count("payment").await?, 0, "the payment was rolled back");
+    assert_eq!(
+        db.count("idempotency_record").await?,
+        0,
+        "no record for a 5xx"
+    );
+    assert_eq!(db.count("outbox_message").await?, 0);
+    let retry = send().await?;
+    assert_eq!(retry.status().as_u16(), 201);
+    assert_eq!(retry.text().await?, "charged");
+    assert_eq!(db.count("payment").await?, 1);
+    assert_eq!(db.count("idempotency_record").await?, 1);
+    let replay = send().await?;
+    assert_eq!(
+        replay
+            .headers()
+            .get("idempotent-replayed")
+            .and_then(|v| v.to_str().ok()),
+        Some("true")
+    );
+    assert_eq!(db.count("payment").await?, 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn unreachable_store_answers_503_and_executes_nothing() -> anyhow::Result<()> {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_lazy("postgres://postgres@127.0.0.1:1/none")?;
+    let store = PgStore::from_pool(pool);
+    let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
+    let layer = IdempotencyLayer::new(
+        tm,
+        Arc::new(SystemClock),
+        layer_config(StatusCode::CONFLICT),
+    );
+    let router = idem_http::router(api_state(&store), keys(), layer);
+    let base = idem_tests::serve(router).await?;
+    let resp = reqwest::Client::new()
+        .post(format!("{base}/payments"))
+        .bearer_auth(KEY_A)
+        .header("idempotency-key", "down-1")
+        .header("content-type", "application/json")
+        .body(charge_body("pi_down", "1.00").to_string())
+        .send()
+        .await?;
+    assert_eq!(resp.status().as_u16(), 503);
+    assert!(resp.headers().get("retry-after").is_some());
+    assert_eq!(
+        resp.headers()
+            .get("cache-control")
+            .and_then(|v| v.to_str().ok()),
+        Some("no-store")
+    );
+    assert_eq!(
+        resp.headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok()),
+        Some("application/problem+json")
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn bad_input_gets_precise_problems_and_is_never_stored() -> anyhow::Result<()> {
+    let api = spawn().await?;
+    let good = charge_body("pi_bad", "1.00").to_string();
+    let with = |field: &str, value: Value| {
+        let mut b = charge_body("pi_bad", "1.00");
+        b[field] = value;
+        b.to_string()
+    };
+    let without = |field: &str| {
+        let mut b = charge_body("pi_bad", "1.00");
+        b.as_object_mut().map(|o| o.remove(field));
+        b.to_string()
+    };
+    struct Case {
+        name: &'static str,
+        status: u16,
+        problem: &'static str,
+        field: Option<&'static str>,
+    }
+    let cases: Vec<(Case, Reply)> = vec![
+        (
+            Case {
+                name: "missing key",
+                status: 400,
+                problem: "idempotency-key-missing",
+                field: None,
+            },
+            api.post("/payments", KEY_A, None, &good).await?,
+        ),
+        (
+            Case {
+                name: "key with space",
+                status: 400,
+                problem: "idempotency-key-invalid",
+                field: None,
+            },
+            api.post("/payments", KEY_A, Some("a b"), &good).await?,
+        ),
+        (
+            Case {
+                name: "key too long",
+                status: 400,
+                problem: "idempotency-key-invalid",
+                field: None,
+            },
+            api.post("/payments", KEY_A, Some(&"k".repeat(256)), &good)
+                .await?,
+        ),
+        (
+            Case {
+                name: "no auth",
+                status: 401,
+                problem: "unauthorized",
+                field: None,
+            },
+            api.send(
+                api.http
+                    .post(format!("{}/payments", api.base))
+                    .header("idempotency-key", "x1")
+                    .body(good.clone()),
+            )
+            .await?,
+        ),
+        (
+            Case {
+                name: "wrong api key",
+                status: 401,
+                problem: "unauthorized",
+                field: None,
+            },
+            api.post("/payments", "not_a_key_123", Some("x2"), &good)
+                .await?,
+        ),
+        (
+            Case {
+                name: "oversize",
+                status: 413,
+                problem: "payload-too-large",
+                field: None,
+            },
+            api.post(
+                "/payments",
+                KEY_A,
+                Some("x3"),
+                &format!("{{\"pad\":\"{}\"}}", "x".repeat(70 * 1024)),
+            )
+            .await?,
+        ),
+        (
+            Case {
+                name: "wrong content type",
+                status: 415,
+                problem: "unsupported-media-type",
+                field: None,
+            },
+            api.send(
+                api.http
+                    .post(format!("{}/payments", api.base))
+                    .bearer_auth(KEY_A)
+                    .header("idempotency-key", "x4")
+                    .header("content-type", "text/plain")
+                    .body(good.clone()),
+            )
+            .await?,
+        ),
+        (
+            Case {
+                name: "malformed json",
+                status: 400,
+                problem: "malformed-json",
+                field: None,
+            },
+            api.post("/payments", KEY_A, Some("x5"), "{\"order_id\":")
+                .await?,
+        ),
+        (
+            Case {
+                name: "invalid utf-8",
+                status: 400,
+                problem: "malformed-json",
+                field: None,
+            },
+            api.send(
+                api.http
+                    .post(format!("{}/payments", api.base))
+                    .bearer_auth(KEY_A)
+                    .header("idempotency-key", "x6")
+                    .header("content-type", "application/json")
+                    .body(vec![b'{', b'"', 0xff, 0xfe, b'"', b'}']),
+            )
+            .await?,
+        ),
+        (
+            Case {
+                name: "missing amount",
+                status: 422,
+                problem: "invalid-field",
+                field: Some("amount"),
+            },
+            api.post("/payments", KEY_A, Some("x7"), &without("amount"))
+                .await?,
+        ),
+        (
+            Case {
+                name: "negative amount",
+                status: 422,
+                problem: "invalid-field",
+                field: Some("amount"),
+            },
+            api.post(
+                "/payments",
+                KEY_A,
+                Some("x8"),
+                &with("amount", json!("-1.00")),
+            )
+            .await?,
+        ),
+        (
+            Case {
+                name: "zero amount",
+                status: 422,
+                problem: "invalid-field",
+                field: Some("amount"),
+            },
+            api.post("/payments", KEY_A, Some("x9"), &with("amount", json!("0")))
+                .await?,
+        ),
+        (
+            Case {
+                name: "over-precise amount",
+                status: 422,
+                problem: "invalid-field",
+                field: Some("amount"),
+            },
+            api.post(
+                "/payments",
+                KEY_A,
+                Some("x10"),
+                &with("amount", json!("1.00001")),
+            )
+            .await?,
+        ),
+        (
+            Case {
+                name: "numeric amount",
+                status: 422,
+                problem: "invalid-field",
+                field: Some("amount"),
+            },
+            api.post("/payments", KEY_A, Some("x11"), &with("amount", json!(1.5)))
+                .await?,
+        ),
+        (
+            Case {
+                name: "unknown currency",
+                status: 422,
+                problem: "invalid-field",
+                field: Some("currency"),
+            },
+            api.post(
+                "/payments",
+                KEY_A,
+                Some("x12"),
+                &with("currency", json!("ABC")),
+            )
+            .await?,
+        ),
+        (
+            Case {
+                name: "bad uuid",
+                status: 422,
+                problem: "invalid-field",
+                field: Some("order_id"),
+            },
+            api.post(
+                "/payments",
+                KEY_A,
+                Some("x13"),
+                &with("order_id", json!("1; DROP TABLE payment")),
+            )
+            .await?,
+        ),
+        (
+            Case {
+                name: "injection-shaped provider",
+                status: 422,
+                problem: "invalid-field",
+                field: Some("provider"),
+            },
+            api.post(
+                "/payments",
+                KEY_A,
+                Some("x14"),
+                &with("provider", json!("x' OR '1'='1")),
+            )
+            .await?,
+        ),
+        (
+            Case {
+                name: "unknown route",
+                status: 404,
+                problem: "not-found",
+                field: None,
+            },
+            api.get("/nowhere", KEY_A).await?,
+        ),
+    ];
+    for (case, reply) in &cases {
+        assert_eq!(
+            reply.status,
+            case.status,
+            "{}: {}",
+            case.name,
+            String::from_utf8_lossy(&reply.body)
+        );
+        assert_eq!(
+            reply.problem_type(),
+            format!("urn:idem:problem:{}", case.problem),
+            "{}",
+            case.name
+        );
+        if let Some(field) = case.field {
+            assert_eq!(reply.json()["field"], field, "{}", case.name);
+        }
+        assert!(
+            !String::from_utf8_lossy(&reply.body).contains(KEY_A),
+            "{} leaks the API key",
+            case.name
+        );
+    }
+    // two Idempotency-Key header lines
+    let dup = api
+        .send(
+            api.http
+                .post(format!("{}/payments", api.base))
+                .bearer_auth(KEY_A)
+                .header("content-type", "application/json")
+                .header("idempotency-key", "one")
+                .header("idempotency-key", "two")
+                .body(good.clone()),
+        )
+        .await?;
+    assert_eq!(dup.status, 400);
+    assert_eq!(
+        dup.problem_type(),
+        "urn:idem:problem:idempotency-key-invalid"
+    );
+    assert_eq!(
+        api.db.count("payment").await?,
+        0,
+        "no bad request created a payment"
+    );
+    // input rejected before execution is never stored: the client may fix it and reuse the key
+    assert_eq!(api.db.count("idempotency_record").await?, 0);
+    let fixed = api.post("/payments", KEY_A, Some("x8"), &good).await?;
+    assert_eq!(
+        fixed.status, 201,
+        "a corrected request may reuse the key of a rejected one"
+    );
+    Ok(())
+}
