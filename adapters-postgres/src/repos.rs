@@ -223,18 +223,12 @@ impl IdempotencyRepository for PgUnitOfWork {
         now: DateTime<Utc>,
         wait: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
-        // Bound the wait on a concurrent uncommitted claim of the same key; restored right after.
-        sqlx::query_scalar!(
-            "SELECT set_config('lock_timeout', $1, true)",
-            duration_ms(wait)
-        )
-        .fetch_one(self.connection())
-        .await
-        .map_err(map_sqlx_error)?;
-        // Claim the key, or take over a record that has expired.
+        // One round trip: bound the lock wait (set_config runs while the SELECT produces the row, before
+        // the insert can wait on a concurrent claim), then claim the key or take over an expired record.
         let claimed = sqlx::query_scalar!(
             r#"INSERT INTO idempotency_record AS r (scope, key, command_hash, state, created_at, expires_at)
-               VALUES ($1, $2, $3, 'in_flight', $4, $5)
+               SELECT $1, $2, $3, 'in_flight', $4, $5
+               FROM (SELECT set_config('lock_timeout', $7, true)) AS bounded_wait
                ON CONFLICT (scope, key) DO UPDATE
                    SET command_hash = EXCLUDED.command_hash, state = 'in_flight', status_code = NULL,
                        response_headers = NULL, response_body = NULL,
@@ -247,14 +241,11 @@ impl IdempotencyRepository for PgUnitOfWork {
             c.created_at,
             c.expires_at,
             now,
+            duration_ms(wait),
         )
         .fetch_optional(self.connection())
         .await
         .map_err(map_sqlx_error)?;
-        sqlx::query!("SET LOCAL lock_timeout TO DEFAULT")
-            .execute(self.connection())
-            .await
-            .map_err(map_sqlx_error)?;
         if claimed.is_some() {
             return Ok(ClaimOutcome::Claimed);
         }

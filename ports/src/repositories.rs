@@ -91,7 +91,8 @@ pub trait IdempotencyRepository: Send {
     /// If no live record exists (none, or only one that expired before `now`), writes an in-flight record
     /// and returns [`ClaimOutcome::Claimed`]. If a live record exists, returns it. If another unit of work
     /// holds an uncommitted claim on the key, waits up to `wait` for it to end; past that, MUST return
-    /// [`StoreError::LockTimeout`] (the unit is then unusable and must be dropped).
+    /// [`StoreError::LockTimeout`] (the unit is then unusable and must be dropped). The same bound may stay
+    /// in force for the unit's later lock waits, so a handler never blocks unboundedly either.
     async fn claim(
         &mut self,
         claim: &IdempotencyClaim,

@@ -1,0 +1,247 @@
+//! HTTP benchmark: drives a running `idem serve` over loopback and prints, in one run, requests/s and
+//! p50/p99 latency for charges with the idempotency layer, the same charges with the layer off, replays
+//! of stored keys, and the ceiling — the same SQL transaction one charge executes, run by pgbench at the
+//! same concurrency.
+//!
+//! Run with `scripts/bench.sh http` (builds the release binary and starts the services). Settings:
+//! BENCH_CONCURRENCY (8), BENCH_SECONDS (10), IDEM_BIN (target/release/idem), DATABASE_URL.
+
+#![allow(clippy::print_stdout, clippy::unwrap_used)]
+
+mod common;
+
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{Summary, env_or, pgbench, print_table};
+use serde_json::json;
+use uuid::Uuid;
+
+const API_KEY: &str = "bench_key_0123456789";
+
+struct Service {
+    child: Child,
+    base: String,
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+async fn start_service(bin: &str, db_url: &str, port: u16, layer: &str) -> anyhow::Result<Service> {
+    let child = Command::new(bin)
+        .arg("serve")
+        .env("DATABASE_URL", db_url)
+        .env("HTTP_ADDR", format!("127.0.0.1:{port}"))
+        .env("IDEM_API_KEYS", format!("bench:{API_KEY}"))
+        .env("IDEMPOTENCY_LAYER", layer)
+        .env("RUST_LOG", "warn")
+        .spawn()?;
+    let base = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::new();
+    for _ in 0..200 {
+        if client
+            .get(format!("{base}/payments/{}", Uuid::nil()))
+            .bearer_auth(API_KEY)
+            .send()
+            .await
+            .is_ok()
+        {
+            return Ok(Service { child, base });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("idem did not start on port {port}")
+}
+
+fn charge_body() -> String {
+    json!({
+        "order_id": Uuid::now_v7(),
+        "customer_id": Uuid::now_v7(),
+        "provider": "bench",
+        "external_payment_id": Uuid::now_v7().to_string(),
+        "amount": "12.34",
+        "currency": "EUR",
+    })
+    .to_string()
+}
+
+/// One phase: `concurrency` workers sending `make()` requests until `duration` elapses.
+async fn phase<F>(
+    name: &str,
+    base: &str,
+    concurrency: usize,
+    duration: Duration,
+    make: F,
+) -> (Summary, Vec<(String, String)>)
+where
+    F: Fn(usize, usize) -> (String, String) + Send + Sync + 'static,
+{
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(concurrency)
+        .build()
+        .unwrap();
+    let make = Arc::new(make);
+    let start = Instant::now();
+    let deadline = start + duration;
+    let mut tasks = Vec::new();
+    for w in 0..concurrency {
+        let (client, make, url) = (client.clone(), make.clone(), format!("{base}/payments"));
+        tasks.push(tokio::spawn(async move {
+            let (mut lat, mut errors, mut sent) = (Vec::new(), 0usize, Vec::new());
+            let mut i = 0;
+            while Instant::now() < deadline {
+                let (key, body) = make(w, i);
+                i += 1;
+                let t = Instant::now();
+                let resp = client
+                    .post(&url)
+                    .bearer_auth(API_KEY)
+                    .header("idempotency-key", &key)
+                    .header("content-type", "application/json")
+                    .body(body.clone())
+                    .send()
+                    .await;
+                let ok = match resp {
+                    Ok(r) => r.status().as_u16() == 201 && r.bytes().await.is_ok(),
+                    Err(_) => false,
+                };
+                if ok {
+                    lat.push(t.elapsed());
+                    if sent.len() < 2000 {
+                        sent.push((key, body));
+                    }
+                } else {
+                    errors += 1;
+                }
+            }
+            (lat, errors, sent)
+        }));
+    }
+    let (mut all, mut errors, mut sent) = (Vec::new(), 0, Vec::new());
+    for t in tasks {
+        let (l, e, s) = t.await.unwrap();
+        all.extend(l);
+        errors += e;
+        sent.extend(s);
+    }
+    (
+        Summary::from_latencies(name, all, errors, start.elapsed()),
+        sent,
+    )
+}
+
+async fn fresh_database(admin: &str, name: &str) -> anyhow::Result<String> {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(admin).await?;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        .execute(&mut conn)
+        .await?;
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut conn)
+        .await?;
+    Ok(idem_tests::with_database(admin, name))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    if std::env::args().any(|a| a == "--list" || a == "--test") {
+        return Ok(()); // `cargo test --benches` probes; this benchmark only runs when asked
+    }
+    let concurrency: usize = env_or("BENCH_CONCURRENCY", 8);
+    let seconds: u64 = env_or("BENCH_SECONDS", 10);
+    let duration = Duration::from_secs(seconds);
+    let bin = std::env::var("IDEM_BIN")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/release/idem").into());
+    let admin = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let db = fresh_database(&admin, "idem_bench_http").await?;
+    println!(
+        "idem HTTP benchmark: {concurrency} concurrent clients, {seconds} s per phase, binary {bin}"
+    );
+
+    let mut rows = Vec::new();
+    let (on, replays) = {
+        let svc = start_service(&bin, &db, 18080, "on").await?;
+        let _ = phase(
+            "warm-up",
+            &svc.base,
+            concurrency,
+            Duration::from_secs(2),
+            |_, _| (Uuid::now_v7().to_string(), charge_body()),
+        )
+        .await;
+        let (on, sent) = phase(
+            "charge, idempotency layer on",
+            &svc.base,
+            concurrency,
+            duration,
+            |_, _| (Uuid::now_v7().to_string(), charge_body()),
+        )
+        .await;
+        let sent = Arc::new(sent);
+        let pick = sent.clone();
+        let (replay, _) = phase(
+            "replay of a stored key",
+            &svc.base,
+            concurrency,
+            duration,
+            move |w, i| pick[(w * 7919 + i) % pick.len()].clone(),
+        )
+        .await;
+        (on, replay)
+    };
+    let off = {
+        let svc = start_service(&bin, &db, 18081, "off").await?;
+        let _ = phase(
+            "warm-up",
+            &svc.base,
+            concurrency,
+            Duration::from_secs(2),
+            |_, _| (Uuid::now_v7().to_string(), charge_body()),
+        )
+        .await;
+        phase(
+            "charge, idempotency layer off",
+            &svc.base,
+            concurrency,
+            duration,
+            |_, _| (Uuid::now_v7().to_string(), charge_body()),
+        )
+        .await
+        .0
+    };
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/sql/charge.sql");
+    let tps = pgbench(&db, script, concurrency, seconds)?;
+    rows.push(on.clone());
+    rows.push(off.clone());
+    rows.push(replays.clone());
+    print_table(&rows);
+    println!(
+        "{:<44} {:>10} {:>8} {:>12.0}",
+        "ceiling: same SQL transaction via pgbench", "-", "-", tps
+    );
+    println!();
+    let cost = 1.0 - on.rate() / off.rate();
+    println!(
+        "layer on / layer off          = {:.2}  (layer costs {:.0}% of throughput; target <= 20%)",
+        on.rate() / off.rate(),
+        cost * 100.0
+    );
+    println!(
+        "layer on / pgbench ceiling    = {:.2}  (target >= 0.80)",
+        on.rate() / tps
+    );
+    println!(
+        "replay speed-up (p50, rate)   = {:.1}x, {:.1}x  (target >= 2x)",
+        on.p50.as_secs_f64() / replays.p50.as_secs_f64().max(1e-9),
+        replays.rate() / on.rate()
+    );
+    Ok(())
+}
