@@ -1,1 +1,11 @@
-//! placeholder
+//! Kafka adapter (rdkafka): the deduplicating consumer runner and the transactional-outbox relay.
+//!
+//! API boundary: [`consumer::run_consumer`] drives any [`idem_ports::EventHandler`]; [`relay::run_relay`]
+//! publishes `outbox_message` rows. rdkafka types stay inside this crate.
+
+pub mod admin;
+pub mod client;
+pub mod consumer;
+pub mod partitioner;
+
+pub use client::{ConsumerSettings, ProducerSettings};

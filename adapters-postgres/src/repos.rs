@@ -358,6 +358,7 @@ impl ProcessedEventRepository for PgUnitOfWork {
         sqlx::query_scalar!(
             r#"INSERT INTO processed_event (consumer_name, event_id, topic, created_at, expires_at)
                SELECT $1, e.id, e.topic, $4, $5 FROM UNNEST($2::uuid[], $3::text[]) AS e(id, topic)
+               ORDER BY e.id -- one lock order for every batch: concurrent batches cannot deadlock
                ON CONFLICT (consumer_name, event_id) DO NOTHING
                RETURNING event_id"#,
             consumer,

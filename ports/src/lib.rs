@@ -8,15 +8,17 @@
 //! are reached through it, [`UnitOfWork::commit`] consumes it, and dropping it uncommitted rolls back.
 
 mod error;
+mod inbound;
 mod records;
 mod repositories;
 mod runtime;
 
 pub use error::{PublishError, StoreError};
+pub use inbound::{EventHandler, HandlerError};
 pub use records::{
-    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyState, NewOutboxMessage,
-    NewPayment, NewRefund, OrderVersion, PaymentInsert, PaymentRecord, PaymentStatus,
-    ProcessedEvent, RefundRecord, SagaStepClaim, StoredResponse,
+    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyState, InboundEvent,
+    NewOutboxMessage, NewPayment, NewRefund, OrderVersion, PaymentInsert, PaymentRecord,
+    PaymentStatus, ProcessedEvent, RefundRecord, SagaStepClaim, StoredResponse,
 };
 pub use repositories::{
     IdempotencyRepository, OutboxRepository, PaymentRepository, ProcessedEventRepository,

@@ -191,3 +191,17 @@ pub struct OrderVersion {
     pub version: i64,
     pub status: String,
 }
+
+/// A message received from a topic, with its identifying headers already validated by the runner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboundEvent {
+    /// The `event_id` header: the dedup key.
+    pub event_id: Uuid,
+    /// The `saga_id` header, when present.
+    pub saga_id: Option<Uuid>,
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+    pub key: Option<Vec<u8>>,
+    pub payload: Vec<u8>,
+}

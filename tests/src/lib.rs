@@ -188,6 +188,8 @@ pub async fn serve(router: axum::Router) -> anyhow::Result<String> {
     Ok(format!("http://{addr}"))
 }
 
+pub mod kafka;
+
 #[cfg(test)]
 mod tests {
     use super::with_database;

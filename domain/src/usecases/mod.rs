@@ -2,9 +2,11 @@
 //! its own writes (an idempotency record, a processed-event row) to the same transaction.
 
 mod charge;
+mod order_events;
 mod refund;
 
 pub use charge::{ChargeCommand, ChargeError, ChargeOutcome, InvalidField, charge_payment};
+pub use order_events::{OrderEventHandler, REFUND_STEP};
 pub use refund::{RefundCommand, RefundError, refund_payment};
 
 use idem_ports::{Clock, IdGenerator};

@@ -1,5 +1,6 @@
 //! One integration-test binary, one module per area.
 
 mod architecture;
+mod consumer;
 mod http;
 mod postgres;

@@ -1,0 +1,547 @@
+//! The deduplicating consumer runner.
+//!
+//! Per batch (up to `batch_size` messages or `batch_timeout`, whichever comes first):
+//! 1. messages without a valid `event_id` header are set aside for the dead-letter topic;
+//! 2. one unit of work: `record_new` inserts every event id of the batch into `processed_event` in one
+//!    statement (`ON CONFLICT DO NOTHING`), the handler runs only for the ids that were new, in partition
+//!    order, then commit. A concurrent duplicate waits on that insert and sees the conflict;
+//! 3. dead letters are published (and acknowledged) before anything else moves on;
+//! 4. only then are the offsets committed.
+//!
+//! Failures: a transient store error rolls back and retries the same batch with backoff (never
+//! dead-lettered, offsets untouched). A malformed event is dead-lettered at once; an event rejected by a
+//! business rule is retried and dead-lettered after `max_rejections` attempts. Either way the batch is
+//! re-applied without it, so one poison message never stalls its partition.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use idem_domain::{EventId, TtlPolicy};
+use idem_ports::{
+    Clock, EventHandler, HandlerError, InboundEvent, ProcessedEvent, StoreError, TransactionManager,
+};
+use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+use uuid::Uuid;
+
+use crate::client::{ConsumerSettings, ProducerSettings};
+
+/// Header carrying the event id.
+pub const EVENT_ID_HEADER: &str = "event_id";
+/// Header carrying the saga id.
+pub const SAGA_ID_HEADER: &str = "saga_id";
+
+/// Settings of one consumer.
+#[derive(Debug, Clone)]
+pub struct RunnerSettings {
+    pub consumer: ConsumerSettings,
+    pub producer: ProducerSettings,
+    pub topic: String,
+    /// Dead-letter topic (default `<topic>.dlq`).
+    pub dlq_topic: String,
+    /// Most messages per transaction (1 = one transaction per message).
+    pub batch_size: usize,
+    /// Longest wait to fill a batch once its first message arrived.
+    pub batch_timeout: Duration,
+    /// How many times an event rejected by a business rule is retried before it is dead-lettered.
+    pub max_rejections: u32,
+    /// Retention of processed-event rows.
+    pub dedup_ttl: TtlPolicy,
+}
+
+impl RunnerSettings {
+    pub fn new(brokers: &str, group_id: &str, topic: &str, dedup_ttl: TtlPolicy) -> Self {
+        Self {
+            consumer: ConsumerSettings::new(brokers, group_id),
+            producer: ProducerSettings::new(brokers),
+            topic: topic.to_owned(),
+            dlq_topic: format!("{topic}.dlq"),
+            batch_size: 100,
+            batch_timeout: Duration::from_millis(20),
+            max_rejections: 3,
+            dedup_ttl,
+        }
+    }
+}
+
+/// Counters of a running consumer.
+#[derive(Debug, Default)]
+pub struct ConsumerStats {
+    pub received: AtomicU64,
+    pub processed: AtomicU64,
+    pub duplicates: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub batches: AtomicU64,
+    pub transient_failures: AtomicU64,
+}
+
+/// Logs rebalances. Offsets are only ever stored after their transaction committed and auto-commit is
+/// off, so a revocation can never commit the offset of an uncommitted message.
+struct RunnerContext;
+
+impl ClientContext for RunnerContext {}
+
+impl ConsumerContext for RunnerContext {
+    fn pre_rebalance(&self, _: &rdkafka::consumer::BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Revoke(tpl) => {
+                tracing::info!(partitions = tpl.count(), "partitions revoked")
+            }
+            Rebalance::Assign(tpl) => {
+                tracing::info!(partitions = tpl.count(), "partitions assigned")
+            }
+            Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
+        }
+    }
+}
+
+/// Why the runner stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum RunnerError {
+    #[error("kafka: {0}")]
+    Kafka(#[from] rdkafka::error::KafkaError),
+}
+
+/// A received message, detached from the consumer.
+#[derive(Debug, Clone)]
+struct Received {
+    topic: String,
+    partition: i32,
+    offset: i64,
+    key: Option<Vec<u8>>,
+    payload: Vec<u8>,
+    headers: Vec<(String, Vec<u8>)>,
+    timestamp: Option<i64>,
+}
+
+impl Received {
+    fn from_message(m: &BorrowedMessage<'_>) -> Self {
+        let headers = m
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        Self {
+            topic: m.topic().to_owned(),
+            partition: m.partition(),
+            offset: m.offset(),
+            key: m.key().map(<[u8]>::to_vec),
+            payload: m.payload().unwrap_or_default().to_vec(),
+            headers,
+            timestamp: m.timestamp().to_millis(),
+        }
+    }
+
+    fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_slice())
+    }
+
+    /// Validates the identifying headers.
+    fn to_event(&self) -> Result<InboundEvent, String> {
+        let event_id = match self.header(EVENT_ID_HEADER) {
+            None => return Err("missing event_id header".into()),
+            Some(raw) => {
+                EventId::parse_bytes(raw).map_err(|e| format!("invalid event_id header: {e}"))?
+            }
+        };
+        let saga_id = match self.header(SAGA_ID_HEADER) {
+            None => None,
+            Some(raw) => Some(
+                std::str::from_utf8(raw)
+                    .ok()
+                    .and_then(|s| Uuid::try_parse(s.trim()).ok())
+                    .filter(|u| !u.is_nil())
+                    .ok_or_else(|| "invalid saga_id header: must be a non-nil UUID".to_owned())?,
+            ),
+        };
+        Ok(InboundEvent {
+            event_id: event_id.as_uuid(),
+            saga_id,
+            topic: self.topic.clone(),
+            partition: self.partition,
+            offset: self.offset,
+            key: self.key.clone(),
+            payload: self.payload.clone(),
+        })
+    }
+}
+
+struct DeadLetter {
+    message: Received,
+    reason: &'static str,
+    error: String,
+}
+
+/// The consumer runner.
+pub struct Runner {
+    settings: RunnerSettings,
+    tm: Arc<dyn TransactionManager>,
+    clock: Arc<dyn Clock>,
+    handler: Arc<dyn EventHandler>,
+    stats: Arc<ConsumerStats>,
+}
+
+impl std::fmt::Debug for Runner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runner")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+enum BatchOutcome {
+    Committed,
+    /// An event failed for good or for now; `index` into the batch.
+    EventFailed {
+        index: usize,
+        error: HandlerError,
+    },
+    Transient(StoreError),
+}
+
+impl Runner {
+    pub fn new(
+        settings: RunnerSettings,
+        tm: Arc<dyn TransactionManager>,
+        clock: Arc<dyn Clock>,
+        handler: Arc<dyn EventHandler>,
+    ) -> Self {
+        Self {
+            settings,
+            tm,
+            clock,
+            handler,
+            stats: Arc::new(ConsumerStats::default()),
+        }
+    }
+
+    pub fn stats(&self) -> Arc<ConsumerStats> {
+        self.stats.clone()
+    }
+
+    /// Consumes until `shutdown` is cancelled: stops fetching, finishes (or rolls back) the batch in
+    /// hand, commits what committed, leaves the group.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), RunnerError> {
+        let consumer: StreamConsumer<RunnerContext> = self
+            .settings
+            .consumer
+            .client_config()
+            .create_with_context(RunnerContext)?;
+        let producer: FutureProducer = self.settings.producer.client_config().create()?;
+        consumer.subscribe(&[&self.settings.topic])?;
+        tracing::info!(topic = %self.settings.topic, group = %self.settings.consumer.group_id, "consumer started");
+        let mut rejections: HashMap<(i32, i64), u32> = HashMap::new();
+        let mut done = Offsets::default();
+        while let Some(batch) = self.next_batch(&consumer, &shutdown).await? {
+            self.stats
+                .received
+                .fetch_add(batch.len() as u64, Ordering::Relaxed);
+            let span =
+                tracing::info_span!("batch", size = batch.len(), first_offset = batch[0].offset);
+            let committed = self
+                .process(&producer, &batch, &mut rejections, &shutdown)
+                .instrument(span)
+                .await;
+            if !committed {
+                break; // shutdown while the store was down: nothing committed, nothing acknowledged
+            }
+            done.advance(&batch);
+            // Async: a lost commit only means a redelivery, which the processed_event rows dedup.
+            done.commit(&consumer, CommitMode::Async);
+            self.stats.batches.fetch_add(1, Ordering::Relaxed);
+        }
+        // Make the last positions durable before leaving the group.
+        done.commit(&consumer, CommitMode::Sync);
+        consumer.unsubscribe();
+        tracing::info!(topic = %self.settings.topic, "consumer stopped");
+        Ok(())
+    }
+
+    /// Waits for the first message (or shutdown), then fills the batch up to its size or timeout.
+    async fn next_batch(
+        &self,
+        consumer: &StreamConsumer<RunnerContext>,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<Vec<Received>>, RunnerError> {
+        let first = tokio::select! {
+            _ = shutdown.cancelled() => return Ok(None),
+            m = consumer.recv() => m?,
+        };
+        let mut batch = vec![Received::from_message(&first)];
+        drop(first);
+        let deadline = tokio::time::Instant::now() + self.settings.batch_timeout;
+        while batch.len() < self.settings.batch_size {
+            let next = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tokio::time::sleep_until(deadline) => break,
+                m = consumer.recv() => m?,
+            };
+            batch.push(Received::from_message(&next));
+        }
+        Ok(Some(batch))
+    }
+
+    /// Applies a batch until it commits (returns true) or shutdown interrupts a transient outage (false).
+    async fn process(
+        &self,
+        producer: &FutureProducer,
+        batch: &[Received],
+        rejections: &mut HashMap<(i32, i64), u32>,
+        shutdown: &CancellationToken,
+    ) -> bool {
+        let mut dead = Vec::new();
+        let mut events = Vec::with_capacity(batch.len());
+        for m in batch {
+            match m.to_event() {
+                Ok(e) => events.push((m, e)),
+                Err(error) => dead.push(DeadLetter {
+                    message: m.clone(),
+                    reason: "invalid-headers",
+                    error,
+                }),
+            }
+        }
+        let mut backoff = Backoff::new();
+        loop {
+            let only_events: Vec<&InboundEvent> = events.iter().map(|(_, e)| e).collect();
+            match self.apply(&only_events).await {
+                BatchOutcome::Committed => break,
+                BatchOutcome::Transient(e) => {
+                    self.stats
+                        .transient_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(error = %e, "batch rolled back on a transient failure; retrying");
+                    if !backoff.wait(shutdown).await {
+                        return false;
+                    }
+                }
+                BatchOutcome::EventFailed { index, error } => {
+                    let (msg, event) = &events[index];
+                    let key = (event.partition, event.offset);
+                    let (reason, give_up) = match &error {
+                        HandlerError::Malformed(_) => ("malformed", true),
+                        HandlerError::Rejected(_) | HandlerError::Store(_) => {
+                            let n = rejections.entry(key).or_insert(0);
+                            *n += 1;
+                            ("rejected", *n > self.settings.max_rejections)
+                        }
+                    };
+                    tracing::warn!(event_id = %event.event_id, partition = event.partition, offset = event.offset, error = %error, give_up, "event failed");
+                    if give_up {
+                        rejections.remove(&key);
+                        dead.push(DeadLetter {
+                            message: (*msg).clone(),
+                            reason,
+                            error: error.to_string(),
+                        });
+                        events.remove(index);
+                    } else if !backoff.wait(shutdown).await {
+                        return false;
+                    }
+                }
+            }
+        }
+        for d in &dead {
+            if !self.dead_letter(producer, d, shutdown).await {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// One unit of work over the batch.
+    async fn apply(&self, events: &[&InboundEvent]) -> BatchOutcome {
+        // Store failures outside the handler are never blamed on an event: retried, never dead-lettered.
+        let failed = |e: StoreError| {
+            if !e.is_transient() {
+                tracing::error!(error = %e, "processed-event bookkeeping failed");
+            }
+            BatchOutcome::Transient(e)
+        };
+        if events.is_empty() {
+            return BatchOutcome::Committed;
+        }
+        let mut uow = match self.tm.begin().await {
+            Ok(u) => u,
+            Err(e) => return BatchOutcome::Transient(e),
+        };
+        let now = self.clock.now();
+        let rows: Vec<ProcessedEvent> = events
+            .iter()
+            .map(|e| ProcessedEvent {
+                event_id: e.event_id,
+                topic: e.topic.clone(),
+            })
+            .collect();
+        let fresh: HashSet<Uuid> = match uow
+            .processed_events()
+            .record_new(
+                &self.settings.consumer.group_id,
+                &rows,
+                now,
+                self.settings.dedup_ttl.expires_at(now),
+            )
+            .await
+        {
+            Ok(ids) => ids.into_iter().collect(),
+            Err(e) => return failed(e),
+        };
+        let mut applied = HashSet::with_capacity(fresh.len());
+        let mut duplicates = 0u64;
+        for (index, event) in events.iter().enumerate() {
+            if !fresh.contains(&event.event_id) || !applied.insert(event.event_id) {
+                duplicates += 1;
+                continue;
+            }
+            match self.handler.handle(uow.as_mut(), event).await {
+                Ok(()) => {}
+                Err(HandlerError::Store(e)) if e.is_transient() => {
+                    return BatchOutcome::Transient(e);
+                }
+                Err(error) => return BatchOutcome::EventFailed { index, error },
+            }
+        }
+        match uow.commit().await {
+            Ok(()) => {
+                self.stats
+                    .processed
+                    .fetch_add(applied.len() as u64, Ordering::Relaxed);
+                self.stats
+                    .duplicates
+                    .fetch_add(duplicates, Ordering::Relaxed);
+                BatchOutcome::Committed
+            }
+            Err(e) => BatchOutcome::Transient(e),
+        }
+    }
+
+    /// Publishes a dead letter and waits for its acknowledgement (retrying until shutdown).
+    async fn dead_letter(
+        &self,
+        producer: &FutureProducer,
+        d: &DeadLetter,
+        shutdown: &CancellationToken,
+    ) -> bool {
+        let m = &d.message;
+        let (partition, offset) = (m.partition.to_string(), m.offset.to_string());
+        let failed_at = self.clock.now().to_rfc3339();
+        let mut headers = OwnedHeaders::new();
+        for (k, v) in &m.headers {
+            headers = headers.insert(Header {
+                key: k,
+                value: Some(v),
+            });
+        }
+        for (k, v) in [
+            ("dlq.reason", d.reason),
+            ("dlq.error", d.error.as_str()),
+            ("dlq.original.topic", m.topic.as_str()),
+            ("dlq.original.partition", partition.as_str()),
+            ("dlq.original.offset", offset.as_str()),
+            (
+                "dlq.consumer.group",
+                self.settings.consumer.group_id.as_str(),
+            ),
+            ("dlq.failed.at", failed_at.as_str()),
+        ] {
+            headers = headers.insert(Header {
+                key: k,
+                value: Some(v.as_bytes()),
+            });
+        }
+        let mut backoff = Backoff::new();
+        loop {
+            let mut record = FutureRecord::to(&self.settings.dlq_topic)
+                .payload(&m.payload)
+                .headers(headers.clone());
+            if let Some(key) = &m.key {
+                record = record.key(key);
+            }
+            if let Some(ts) = m.timestamp {
+                record = record.timestamp(ts);
+            }
+            match producer.send(record, Duration::from_secs(10)).await {
+                Ok(_) => {
+                    self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(topic = %self.settings.dlq_topic, reason = d.reason, error = %d.error, partition = m.partition, offset = m.offset, "message dead-lettered");
+                    return true;
+                }
+                Err((e, _)) => {
+                    tracing::warn!(error = %e, "dead-letter publish failed; retrying");
+                    if !backoff.wait(shutdown).await {
+                        return false;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Per partition, the offset after the last message whose transaction committed.
+#[derive(Default)]
+struct Offsets(HashMap<(String, i32), i64>);
+
+impl Offsets {
+    fn advance(&mut self, batch: &[Received]) {
+        for m in batch {
+            let e = self
+                .0
+                .entry((m.topic.clone(), m.partition))
+                .or_insert(m.offset + 1);
+            *e = (*e).max(m.offset + 1);
+        }
+    }
+
+    fn commit(&self, consumer: &StreamConsumer<RunnerContext>, mode: CommitMode) {
+        if self.0.is_empty() {
+            return;
+        }
+        let mut tpl = TopicPartitionList::new();
+        for ((topic, partition), offset) in &self.0 {
+            if let Err(e) = tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset)) {
+                tracing::warn!(error = %e, "bad offset");
+            }
+        }
+        if let Err(e) = consumer.commit(&tpl, mode) {
+            // Typically a partition revoked meanwhile: its new owner resumes from the last commit and
+            // dedups what it sees again.
+            tracing::warn!(error = %e, "offset commit failed");
+        }
+    }
+}
+
+/// Exponential backoff with jitter, 50 ms to 5 s; cancellable.
+struct Backoff {
+    next: Duration,
+}
+
+impl Backoff {
+    fn new() -> Self {
+        Self {
+            next: Duration::from_millis(50),
+        }
+    }
+
+    /// Sleeps; false when shutdown came first.
+    async fn wait(&mut self, shutdown: &CancellationToken) -> bool {
+        let jitter = Duration::from_millis(u64::from(Uuid::new_v4().as_bytes()[0]) % 50);
+        let sleep = self.next + jitter;
+        self.next = (self.next * 2).min(Duration::from_secs(5));
+        tokio::select! {
+            _ = shutdown.cancelled() => false,
+            _ = tokio::time::sleep(sleep) => true,
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! The reference service's order-event handler: `OrderPlaced` charges, `OrderCancelled` refunds as a
+//! compensation step, and an order projection only moves forward by version.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use idem_ports::{Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, UnitOfWork};
+use serde::Deserialize;
+use serde_json::json;
+use uuid::Uuid;
+
+use super::{
+    ChargeCommand, ChargeError, Env, RefundCommand, RefundError, charge_payment, refund_payment,
+};
+use crate::events::SagaStep;
+use crate::money::{Amount, Currency, Money};
+use crate::payment::refundable;
+use crate::saga::{StepStart, begin_step, finish_step};
+
+/// Name of the compensation step run for a cancelled order.
+pub const REFUND_STEP: &str = "refund-payment";
+
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type")]
+enum OrderEvent {
+    OrderPlaced {
+        order_id: Uuid,
+        customer_id: Uuid,
+        amount: String,
+        currency: String,
+        provider: String,
+        external_payment_id: String,
+        version: i64,
+    },
+    OrderCancelled {
+        order_id: Uuid,
+        version: i64,
+    },
+}
+
+/// Handles `OrderPlaced` / `OrderCancelled` events.
+#[derive(Clone)]
+pub struct OrderEventHandler {
+    pub clock: Arc<dyn Clock>,
+    pub ids: Arc<dyn IdGenerator>,
+    pub payments_topic: String,
+    /// The merchant that payments created from order events belong to.
+    pub merchant_id: String,
+}
+
+impl std::fmt::Debug for OrderEventHandler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OrderEventHandler")
+            .field("merchant_id", &self.merchant_id)
+            .finish_non_exhaustive()
+    }
+}
+
+fn malformed(e: impl std::fmt::Display) -> HandlerError {
+    HandlerError::Malformed(e.to_string())
+}
+
+impl OrderEventHandler {
+    fn env(&self) -> Env<'_> {
+        Env {
+            clock: &*self.clock,
+            ids: &*self.ids,
+            payments_topic: &self.payments_topic,
+        }
+    }
+}
+
+#[async_trait]
+impl EventHandler for OrderEventHandler {
+    async fn handle(
+        &self,
+        uow: &mut dyn UnitOfWork,
+        event: &InboundEvent,
+    ) -> Result<(), HandlerError> {
+        let body: OrderEvent = serde_json::from_slice(&event.payload).map_err(malformed)?;
+        let (order_id, version, status) = match &body {
+            OrderEvent::OrderPlaced {
+                order_id, version, ..
+            } => (*order_id, *version, "placed"),
+            OrderEvent::OrderCancelled { order_id, version } => (*order_id, *version, "cancelled"),
+        };
+        if let Some(key) = &event.key
+            && key.as_slice() != order_id.to_string().as_bytes()
+        {
+            return Err(malformed("message key must be the order id"));
+        }
+        if version < 0 {
+            return Err(malformed("version must not be negative"));
+        }
+        let saga = match (&body, event.saga_id) {
+            (OrderEvent::OrderCancelled { .. }, None) => {
+                return Err(malformed("OrderCancelled needs a saga_id header"));
+            }
+            (_, Some(id)) => Some(SagaStep::new(id, REFUND_STEP).map_err(malformed)?),
+            (_, None) => None,
+        };
+        // Older or repeated versions are skipped: the projection never moves backwards or twice.
+        let now = self.clock.now();
+        if !uow
+            .projections()
+            .apply_order_version(order_id, version, status, now)
+            .await?
+        {
+            return Ok(());
+        }
+        match body {
+            OrderEvent::OrderPlaced {
+                customer_id,
+                amount,
+                currency,
+                provider,
+                external_payment_id,
+                ..
+            } => {
+                let money = Money {
+                    amount: Amount::parse(&amount).map_err(malformed)?,
+                    currency: Currency::parse(&currency).map_err(malformed)?,
+                };
+                let mut cmd = ChargeCommand::new(
+                    &self.merchant_id,
+                    order_id,
+                    customer_id,
+                    &provider,
+                    &external_payment_id,
+                    money,
+                )
+                .map_err(malformed)?;
+                if let Some(id) = event.saga_id {
+                    cmd = cmd.with_saga(id);
+                }
+                match charge_payment(uow, self.env(), &cmd).await {
+                    Ok(_) => Ok(()),
+                    Err(ChargeError::DetailsDiffer { existing }) => {
+                        Err(HandlerError::Rejected(format!(
+                            "payment {existing} already uses this provider and external payment id with other details"
+                        )))
+                    }
+                    Err(ChargeError::Store(e)) => Err(e.into()),
+                }
+            }
+            OrderEvent::OrderCancelled { .. } => {
+                let Some(step) = saga else {
+                    return Err(malformed("OrderCancelled needs a saga_id header"));
+                };
+                if let StepStart::Done(_) = begin_step(uow, &step, now).await? {
+                    return Ok(());
+                }
+                let outcome = self.compensate(uow, order_id, step.saga_id()).await?;
+                finish_step(uow, &step, &outcome).await?;
+                Ok(())
+            }
+        }
+    }
+}
+
+impl OrderEventHandler {
+    /// Refunds what is left of the order's payment.
+    async fn compensate(
+        &self,
+        uow: &mut dyn UnitOfWork,
+        order_id: Uuid,
+        saga_id: Uuid,
+    ) -> Result<serde_json::Value, HandlerError> {
+        let Some(payment) = uow.payments().find_by_order_for_update(order_id).await? else {
+            return Ok(json!({ "skipped": "no payment for the order" }));
+        };
+        let Ok(amount) = Amount::try_from(refundable(&payment)) else {
+            return Ok(json!({ "skipped": "nothing left to refund", "payment_id": payment.id }));
+        };
+        let cmd = RefundCommand {
+            merchant_id: None,
+            payment_id: payment.id,
+            amount,
+            reason: Some("order cancelled".into()),
+            saga_id: Some(saga_id),
+            traceparent: None,
+        };
+        match refund_payment(uow, self.env(), &cmd).await {
+            Ok((refund, _)) => Ok(
+                json!({ "refund_id": refund.id, "payment_id": payment.id, "amount": refund.amount.to_string() }),
+            ),
+            Err(RefundError::Store(e)) => Err(e.into()),
+            Err(e) => Err(HandlerError::Rejected(e.to_string())),
+        }
+    }
+}
