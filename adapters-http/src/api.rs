@@ -14,7 +14,7 @@ use idem_domain::usecases::{
     ChargeCommand, ChargeError, ChargeOutcome, Env, RefundCommand, RefundError, charge_payment,
     refund_payment,
 };
-use idem_domain::{Amount, Currency, Money, MoneyError, RefundRuleError};
+use idem_domain::{Amount, Currency, Money, MoneyError, RefundRuleError, format_amount};
 use idem_ports::{Clock, IdGenerator, PaymentRecord, RefundRecord, StoreError, TransactionManager};
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -207,10 +207,10 @@ impl<'a> From<&'a PaymentRecord> for PaymentBody<'a> {
             customer_id: p.customer_id,
             provider: &p.provider,
             external_payment_id: &p.external_payment_id,
-            amount: p.amount.to_string(),
+            amount: format_amount(p.amount),
             currency: &p.currency,
             status: p.status,
-            refunded_amount: p.refunded_amount.to_string(),
+            refunded_amount: format_amount(p.refunded_amount),
             created_at: timestamp(p.created_at),
         }
     }
@@ -309,11 +309,11 @@ fn refund_body<'a>(r: &'a RefundRecord, p: &PaymentRecord) -> RefundBody<'a> {
     RefundBody {
         id: r.id,
         payment_id: r.payment_id,
-        amount: r.amount.to_string(),
+        amount: format_amount(r.amount),
         reason: r.reason.as_deref(),
         created_at: timestamp(r.created_at),
         payment_status: p.status,
-        refunded_amount: p.refunded_amount.to_string(),
+        refunded_amount: format_amount(p.refunded_amount),
     }
 }
 

@@ -93,3 +93,19 @@ impl ConsumerSettings {
         c
     }
 }
+
+/// Errors after which the idempotent producer session cannot continue (its producer id or epoch is no
+/// longer accepted): a new producer is needed.
+pub(crate) fn breaks_session(e: &rdkafka::error::KafkaError) -> bool {
+    use rdkafka::error::RDKafkaErrorCode::*;
+    matches!(
+        e.rdkafka_error_code(),
+        Some(
+            ProducerFenced
+                | InvalidProducerEpoch
+                | OutOfOrderSequenceNumber
+                | UnknownProducerId
+                | Fatal
+        )
+    )
+}

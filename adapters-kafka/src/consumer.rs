@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use uuid::Uuid;
 
-use crate::client::{ConsumerSettings, ProducerSettings};
+use crate::client::{ConsumerSettings, ProducerSettings, breaks_session};
 
 /// Header carrying the event id.
 pub const EVENT_ID_HEADER: &str = "event_id";
@@ -462,7 +462,10 @@ impl Runner {
             });
         }
         let mut backoff = Backoff::new();
+        // A new producer session, once the broker rejected the shared one.
+        let mut fresh: Option<FutureProducer> = None;
         loop {
+            let producer = fresh.as_ref().unwrap_or(producer);
             let mut record = FutureRecord::to(&self.settings.dlq_topic)
                 .payload(&m.payload)
                 .headers(headers.clone());
@@ -480,6 +483,12 @@ impl Runner {
                 }
                 Err((e, _)) => {
                     tracing::warn!(error = %e, "dead-letter publish failed; retrying");
+                    if breaks_session(&e) {
+                        match self.settings.producer.client_config().create() {
+                            Ok(p) => fresh = Some(p),
+                            Err(e) => tracing::error!(error = %e, "cannot create a new producer"),
+                        }
+                    }
                     if !backoff.wait(shutdown).await {
                         return false;
                     }

@@ -7,5 +7,6 @@ pub mod admin;
 pub mod client;
 pub mod consumer;
 pub mod partitioner;
+pub mod relay;
 
 pub use client::{ConsumerSettings, ProducerSettings};

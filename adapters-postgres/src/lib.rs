@@ -7,6 +7,7 @@
 
 mod error;
 mod repos;
+mod wakeup;
 
 use std::time::Duration;
 
@@ -19,6 +20,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Postgres, Transaction};
 
 pub use error::map_sqlx_error;
+pub use wakeup::{OUTBOX_CHANNEL, PgOutboxWakeup};
 
 /// The migrations in `migrations/`, embedded in the binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");

@@ -6,8 +6,8 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use idem_ports::{
     ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyRepository, IdempotencyState,
-    NewOutboxMessage, NewPayment, NewRefund, OutboxRepository, PaymentInsert, PaymentRecord,
-    PaymentRepository, PaymentStatus, ProcessedEvent, ProcessedEventRepository,
+    NewOutboxMessage, NewPayment, NewRefund, OutboxRecord, OutboxRepository, PaymentInsert,
+    PaymentRecord, PaymentRepository, PaymentStatus, ProcessedEvent, ProcessedEventRepository,
     ProjectionRepository, RefundRecord, SagaStepClaim, SagaStepRepository, StoreError,
     StoredResponse,
 };
@@ -398,6 +398,88 @@ impl OutboxRepository for PgUnitOfWork {
         .await
         .map_err(map_sqlx_error)?;
         Ok(())
+    }
+
+    async fn claim_unpublished(&mut self, limit: i64) -> Result<Vec<OutboxRecord>, StoreError> {
+        // Oldest first over the partial index of unpublished rows. A key whose rows another relay has
+        // claimed is skipped as a whole (transaction-scoped advisory lock per key), so one key's messages
+        // are never published by two relays at once, and never out of order.
+        let rows = sqlx::query!(
+            r#"SELECT id, topic, aggregatetype, aggregateid, type AS "event_type", payload, headers, saga_id,
+                      created_at, attempts
+               FROM outbox_message
+               WHERE published_at IS NULL
+                 AND pg_try_advisory_xact_lock(hashtextextended(aggregateid, 7368))
+               ORDER BY seq
+               LIMIT $1
+               FOR UPDATE SKIP LOCKED"#,
+            limit,
+        )
+        .fetch_all(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        rows.into_iter()
+            .map(|r| {
+                let headers = match r.headers {
+                    serde_json::Value::Object(map) => map
+                        .into_iter()
+                        .filter_map(|(k, v)| v.as_str().map(|v| (k, v.to_owned())))
+                        .collect(),
+                    _ => Vec::new(),
+                };
+                Ok(OutboxRecord {
+                    id: r.id,
+                    topic: r.topic,
+                    aggregate_type: r.aggregatetype,
+                    aggregate_id: r.aggregateid,
+                    event_type: r.event_type,
+                    payload: r.payload,
+                    headers,
+                    saga_id: r.saga_id,
+                    created_at: r.created_at,
+                    attempts: r.attempts,
+                })
+            })
+            .collect()
+    }
+
+    async fn mark_published(
+        &mut self,
+        ids: &[Uuid],
+        published_at: DateTime<Utc>,
+        expires_at: DateTime<Utc>,
+    ) -> Result<(), StoreError> {
+        sqlx::query!(
+            "UPDATE outbox_message SET published_at = $2, expires_at = $3, last_error = NULL WHERE id = ANY($1)",
+            ids,
+            published_at,
+            expires_at,
+        )
+        .execute(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(())
+    }
+
+    async fn record_failure(&mut self, ids: &[Uuid], error: &str) -> Result<(), StoreError> {
+        sqlx::query!(
+            "UPDATE outbox_message SET attempts = attempts + 1, last_error = left($2, 1000) WHERE id = ANY($1)",
+            ids,
+            error,
+        )
+        .execute(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(())
+    }
+
+    async fn backlog(&mut self) -> Result<i64, StoreError> {
+        sqlx::query_scalar!(
+            r#"SELECT count(*) AS "n!" FROM outbox_message WHERE published_at IS NULL"#
+        )
+        .fetch_one(self.connection())
+        .await
+        .map_err(map_sqlx_error)
     }
 }
 

@@ -69,14 +69,57 @@ pub struct DbArgs {
     pub database_max_connections: u32,
 }
 
+/// Kafka settings shared by the consumer and the relay.
+#[derive(Debug, Clone, Args)]
+pub struct KafkaArgs {
+    /// Kafka bootstrap servers (host:port,…).
+    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    pub kafka_brokers: String,
+    /// Topic payment events are published to (through the outbox).
+    #[arg(long, env = "KAFKA_PAYMENTS_TOPIC", default_value = "payments")]
+    pub payments_topic: String,
+    /// Partitions of the topics idem creates when they are missing.
+    #[arg(long, env = "KAFKA_TOPIC_PARTITIONS", default_value_t = 6, value_parser = clap::value_parser!(i32).range(1..=1000))]
+    pub topic_partitions: i32,
+}
+
+/// Outbox relay settings.
+#[derive(Debug, Clone, Args)]
+pub struct RelayArgs {
+    /// Most outbox rows claimed and published per round.
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 500, value_parser = clap::value_parser!(i64).range(1..=10_000))]
+    pub outbox_batch_size: i64,
+    /// Polling fallback of the relay when no NOTIFY arrives.
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub outbox_poll_interval: Duration,
+    /// How long published outbox rows are kept.
+    #[arg(long, env = "OUTBOX_RETENTION", default_value = "24h", value_parser = parse_duration)]
+    pub outbox_retention: Duration,
+}
+
+/// `idem relay` settings: the outbox relay alone.
+#[derive(Debug, Clone, Args)]
+pub struct RelayOnlyArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+    #[command(flatten)]
+    pub relay: RelayArgs,
+    /// Log as JSON lines instead of text.
+    #[arg(long, env = "LOG_JSON", default_value_t = false)]
+    pub log_json: bool,
+}
+
 /// `idem serve` settings.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
     #[command(flatten)]
     pub db: DbArgs,
-    /// Kafka bootstrap servers (host:port,…).
-    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
-    pub kafka_brokers: String,
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+    #[command(flatten)]
+    pub relay: RelayArgs,
     /// Address the HTTP API listens on.
     #[arg(long, env = "HTTP_ADDR", default_value = "127.0.0.1:8080")]
     pub http_addr: SocketAddr,
@@ -86,12 +129,27 @@ pub struct ServeArgs {
     /// Topic of incoming order events.
     #[arg(long, env = "KAFKA_ORDERS_TOPIC", default_value = "orders")]
     pub orders_topic: String,
-    /// Topic payment events are published to (through the outbox).
-    #[arg(long, env = "KAFKA_PAYMENTS_TOPIC", default_value = "payments")]
-    pub payments_topic: String,
+    /// Dead-letter topic of the order consumer (default: `<orders topic>.dlq`).
+    #[arg(long, env = "KAFKA_DLQ_TOPIC")]
+    pub dlq_topic: Option<String>,
     /// Consumer group of the order-event consumer.
     #[arg(long, env = "KAFKA_GROUP_ID", default_value = "payment-service")]
     pub group_id: String,
+    /// Most messages per consumer transaction (1 = one transaction per message).
+    #[arg(long, env = "KAFKA_BATCH_SIZE", default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub batch_size: u32,
+    /// Longest wait to fill a consumer batch.
+    #[arg(long, env = "KAFKA_BATCH_TIMEOUT", default_value = "20ms", value_parser = parse_duration)]
+    pub batch_timeout: Duration,
+    /// Attempts of an event refused by a business rule before it is dead-lettered.
+    #[arg(long, env = "KAFKA_MAX_REJECTIONS", default_value_t = 3)]
+    pub max_rejections: u32,
+    /// Consumer group session timeout.
+    #[arg(long, env = "KAFKA_SESSION_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub session_timeout: Duration,
+    /// Merchant that payments created from order events belong to.
+    #[arg(long, env = "ORDERS_MERCHANT_ID", default_value = "orders")]
+    pub orders_merchant_id: String,
     /// How long idempotency records are kept (24h to 72h).
     #[arg(long, env = "IDEMPOTENCY_TTL", default_value = "48h", value_parser = parse_ttl)]
     pub idempotency_ttl: TtlPolicy,
@@ -116,9 +174,52 @@ pub struct ServeArgs {
     /// what the layer costs. Never run a real service with it.
     #[arg(long, env = "IDEMPOTENCY_LAYER", value_enum, default_value = "on")]
     pub idempotency_layer: LayerSwitch,
+    /// Longest graceful drain after SIGINT/SIGTERM before the process exits anyway.
+    #[arg(long, env = "SHUTDOWN_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
+    pub shutdown_timeout: Duration,
     /// Log as JSON lines instead of text.
     #[arg(long, env = "LOG_JSON", default_value_t = false)]
     pub log_json: bool,
+}
+
+impl ServeArgs {
+    /// Checks what the parsers alone cannot.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.api_keys.is_empty() {
+            return Err("IDEM_API_KEYS is empty: configure at least one merchant:key pair".into());
+        }
+        if self.idempotency_wait > Duration::from_secs(30) || self.idempotency_wait.is_zero() {
+            return Err("IDEMPOTENCY_WAIT must be between 1ms and 30s".into());
+        }
+        if self.cleanup_interval < Duration::from_secs(1) {
+            return Err("CLEANUP_INTERVAL must be at least 1s".into());
+        }
+        if self.batch_timeout > Duration::from_secs(10) {
+            return Err("KAFKA_BATCH_TIMEOUT must be at most 10s".into());
+        }
+        let topics = [&self.orders_topic, &self.kafka.payments_topic];
+        if topics.iter().any(|t| {
+            t.is_empty()
+                || t.len() > 249
+                || !t
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        }) {
+            return Err(
+                "topic names must be 1-249 characters of a-z, A-Z, 0-9, '.', '_' or '-'".into(),
+            );
+        }
+        if self.orders_topic == self.kafka.payments_topic {
+            return Err("KAFKA_ORDERS_TOPIC and KAFKA_PAYMENTS_TOPIC must differ".into());
+        }
+        Ok(())
+    }
+
+    pub fn dlq_topic(&self) -> String {
+        self.dlq_topic
+            .clone()
+            .unwrap_or_else(|| format!("{}.dlq", self.orders_topic))
+    }
 }
 
 #[cfg(test)]

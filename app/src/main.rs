@@ -2,6 +2,7 @@
 //! tasks.
 
 mod config;
+mod tasks;
 
 use std::process::ExitCode;
 
@@ -10,10 +11,16 @@ use clap::{Parser, Subcommand};
 use std::sync::Arc;
 
 use axum::http::StatusCode;
-use config::{ConflictStatus, DbArgs, LayerSwitch, ServeArgs};
+use config::{ConflictStatus, DbArgs, KafkaArgs, LayerSwitch, RelayArgs, RelayOnlyArgs, ServeArgs};
+use idem_domain::usecases::OrderEventHandler;
 use idem_http::{ApiState, IdempotencyConfig, IdempotencyLayer};
-use idem_ports::{Clock, SystemClock, TransactionManager, UuidV7Generator};
-use idem_postgres::{PgStore, PoolSettings};
+use idem_kafka::ProducerSettings;
+use idem_kafka::admin::ensure_topics;
+use idem_kafka::consumer::{Runner, RunnerSettings};
+use idem_kafka::relay::{Relay, RelaySettings};
+use idem_ports::{Clock, IdGenerator, SystemClock, TransactionManager, UuidV7Generator};
+use idem_postgres::{PgOutboxWakeup, PgStore, PoolSettings};
+use tasks::TaskGroup;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Parser)]
@@ -33,6 +40,8 @@ enum Command {
     Serve(Box<ServeArgs>),
     /// Apply pending database migrations and exit.
     Migrate(DbArgs),
+    /// Run only the outbox relay (several may run at once, on several machines).
+    Relay(Box<RelayOnlyArgs>),
 }
 
 fn init_tracing(json: bool) {
@@ -79,23 +88,65 @@ fn cancel_on_signal(token: CancellationToken) {
     });
 }
 
+fn relay_settings(kafka: &KafkaArgs, relay: &RelayArgs) -> RelaySettings {
+    let mut settings = RelaySettings::new(&kafka.kafka_brokers);
+    settings.batch_size = relay.outbox_batch_size;
+    settings.poll_interval = relay.outbox_poll_interval;
+    settings.retention = relay.outbox_retention;
+    settings
+}
+
+async fn spawn_relay(
+    group: &mut TaskGroup,
+    store: &PgStore,
+    kafka: &KafkaArgs,
+    relay: &RelayArgs,
+) -> anyhow::Result<()> {
+    let wakeup = PgOutboxWakeup::connect(store.pool())
+        .await
+        .context("LISTEN for outbox notifications")?;
+    let relay = Relay::new(
+        relay_settings(kafka, relay),
+        Arc::new(store.clone()),
+        Arc::new(SystemClock),
+    );
+    let token = group.token();
+    group.spawn("outbox relay", async move {
+        Ok(relay.run(Box::new(wakeup), token).await?)
+    });
+    Ok(())
+}
+
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     init_tracing(args.log_json);
+    args.validate().map_err(anyhow::Error::msg)?;
     tracing::info!(config = ?args, "starting idem");
-    if args.api_keys.is_empty() {
-        anyhow::bail!("IDEM_API_KEYS is empty: configure at least one merchant:key pair");
-    }
     let store = connect(&args.db).await?;
     store.migrate().await.context("applying migrations")?;
     tracing::info!("migrations applied");
+    let dlq_topic = args.dlq_topic();
+    ensure_topics(
+        &args.kafka.kafka_brokers,
+        &[&args.orders_topic, &dlq_topic, &args.kafka.payments_topic],
+        args.kafka.topic_partitions,
+    )
+    .await
+    .map_err(anyhow::Error::msg)
+    .context("creating topics")?;
 
     let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let ids: Arc<dyn IdGenerator> = Arc::new(UuidV7Generator);
+    let shutdown = CancellationToken::new();
+    cancel_on_signal(shutdown.clone());
+    let mut group = TaskGroup::new(shutdown.clone());
+
+    // HTTP API
     let state = ApiState {
         tm: tm.clone(),
         clock: clock.clone(),
-        ids: Arc::new(UuidV7Generator),
-        payments_topic: args.payments_topic.as_str().into(),
+        ids: ids.clone(),
+        payments_topic: args.kafka.payments_topic.as_str().into(),
     };
     let mut idem_config = IdempotencyConfig::new(args.idempotency_ttl, idem_http::merchant_scope());
     idem_config.wait = args.idempotency_wait;
@@ -113,21 +164,64 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     };
     let app = idem_http::router(state, Arc::new(args.api_keys.clone()), layer);
-
-    let shutdown = CancellationToken::new();
-    cancel_on_signal(shutdown.clone());
     let listener = tokio::net::TcpListener::bind(args.http_addr)
         .await
         .with_context(|| format!("binding {}", args.http_addr))?;
     tracing::info!(addr = %listener.local_addr()?, "HTTP API listening");
-    let http_shutdown = shutdown.clone();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move { http_shutdown.cancelled().await })
-        .await
-        .context("HTTP server failed")?;
+    let token = shutdown.clone();
+    group.spawn("http", async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move { token.cancelled().await })
+            .await?;
+        Ok(())
+    });
+
+    // Order-event consumer
+    let mut settings = RunnerSettings::new(
+        &args.kafka.kafka_brokers,
+        &args.group_id,
+        &args.orders_topic,
+        args.dedup_ttl,
+    );
+    settings.dlq_topic = dlq_topic;
+    settings.batch_size = args.batch_size as usize;
+    settings.batch_timeout = args.batch_timeout;
+    settings.max_rejections = args.max_rejections;
+    settings.consumer.session_timeout = args.session_timeout;
+    settings.producer = ProducerSettings::new(&args.kafka.kafka_brokers);
+    let handler = Arc::new(OrderEventHandler {
+        clock: clock.clone(),
+        ids: ids.clone(),
+        payments_topic: args.kafka.payments_topic.clone(),
+        merchant_id: args.orders_merchant_id.clone(),
+    });
+    let runner = Runner::new(settings, tm.clone(), clock.clone(), handler);
+    let token = shutdown.clone();
+    group.spawn(
+        "order consumer",
+        async move { Ok(runner.run(token).await?) },
+    );
+
+    // Outbox relay
+    spawn_relay(&mut group, &store, &args.kafka, &args.relay).await?;
+
+    let result = group.wait(args.shutdown_timeout).await;
     store.pool().close().await;
     tracing::info!("stopped");
-    Ok(())
+    result
+}
+
+async fn relay_only(args: RelayOnlyArgs) -> anyhow::Result<()> {
+    init_tracing(args.log_json);
+    let store = connect(&args.db).await?;
+    store.migrate().await.context("applying migrations")?;
+    let shutdown = CancellationToken::new();
+    cancel_on_signal(shutdown.clone());
+    let mut group = TaskGroup::new(shutdown);
+    spawn_relay(&mut group, &store, &args.kafka, &args.relay).await?;
+    let result = group.wait(std::time::Duration::from_secs(20)).await;
+    store.pool().close().await;
+    result
 }
 
 async fn migrate(db: DbArgs) -> anyhow::Result<()> {
@@ -144,6 +238,7 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve(*args).await,
         Command::Migrate(db) => migrate(db).await,
+        Command::Relay(args) => relay_only(*args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

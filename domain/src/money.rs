@@ -91,6 +91,13 @@ impl fmt::Display for Amount {
     }
 }
 
+/// Renders a stored amount with exactly 4 decimal places, as the API and events show money.
+pub fn format_amount(value: Decimal) -> String {
+    let mut v = value;
+    v.rescale(MAX_SCALE);
+    v.to_string()
+}
+
 /// An active ISO 4217 currency code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Currency([u8; 3]);

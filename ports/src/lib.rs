@@ -17,12 +17,13 @@ pub use error::{PublishError, StoreError};
 pub use inbound::{EventHandler, HandlerError};
 pub use records::{
     ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyState, InboundEvent,
-    NewOutboxMessage, NewPayment, NewRefund, OrderVersion, PaymentInsert, PaymentRecord,
-    PaymentStatus, ProcessedEvent, RefundRecord, SagaStepClaim, StoredResponse,
+    NewOutboxMessage, NewPayment, NewRefund, OrderVersion, OutboxRecord, PaymentInsert,
+    PaymentRecord, PaymentStatus, ProcessedEvent, RefundRecord, SagaStepClaim, StoredResponse,
 };
 pub use repositories::{
-    IdempotencyRepository, OutboxRepository, PaymentRepository, ProcessedEventRepository,
-    ProjectionRepository, SagaStepRepository, TransactionManager, UnitOfWork,
+    IdempotencyRepository, OutboxRepository, OutboxWakeup, PaymentRepository,
+    ProcessedEventRepository, ProjectionRepository, SagaStepRepository, TransactionManager,
+    UnitOfWork,
 };
 #[cfg(any(test, feature = "mocks"))]
 pub use repositories::{

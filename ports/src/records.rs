@@ -205,3 +205,20 @@ pub struct InboundEvent {
     pub key: Option<Vec<u8>>,
     pub payload: Vec<u8>,
 }
+
+/// An unpublished outbox row claimed by a relay.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutboxRecord {
+    pub id: Uuid,
+    pub topic: String,
+    pub aggregate_type: String,
+    /// The message key.
+    pub aggregate_id: String,
+    pub event_type: String,
+    pub payload: serde_json::Value,
+    /// Extra headers stored with the row (for example `traceparent`).
+    pub headers: Vec<(String, String)>,
+    pub saga_id: Option<Uuid>,
+    pub created_at: DateTime<Utc>,
+    pub attempts: i32,
+}

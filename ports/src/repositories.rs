@@ -7,8 +7,8 @@ use uuid::Uuid;
 use crate::error::StoreError;
 use crate::records::{
     ClaimOutcome, IdempotencyClaim, IdempotencyRecord, NewOutboxMessage, NewPayment, NewRefund,
-    PaymentInsert, PaymentRecord, PaymentStatus, ProcessedEvent, RefundRecord, SagaStepClaim,
-    StoredResponse,
+    OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus, ProcessedEvent, RefundRecord,
+    SagaStepClaim, StoredResponse,
 };
 
 /// Begins units of work. One implementation per store; it is a cheap handle, shared by value.
@@ -137,6 +137,32 @@ pub trait ProcessedEventRepository: Send {
 #[async_trait]
 pub trait OutboxRepository: Send {
     async fn enqueue(&mut self, message: &NewOutboxMessage) -> Result<(), StoreError>;
+
+    /// Claims up to `limit` unpublished rows, oldest first, locked until this unit ends. Rows locked by
+    /// another unit are skipped, and so are rows whose key another unit has claimed rows of, so that
+    /// concurrent relays never publish one key's messages out of order nor a row twice at the same time.
+    async fn claim_unpublished(&mut self, limit: i64) -> Result<Vec<OutboxRecord>, StoreError>;
+
+    /// Marks rows published; they are kept until `expires_at`, then cleaned up.
+    async fn mark_published(
+        &mut self,
+        ids: &[Uuid],
+        published_at: DateTime<Utc>,
+        expires_at: DateTime<Utc>,
+    ) -> Result<(), StoreError>;
+
+    /// Records a failed publish attempt of rows that stay unpublished.
+    async fn record_failure(&mut self, ids: &[Uuid], error: &str) -> Result<(), StoreError>;
+
+    /// Number of unpublished rows (the relay's backlog).
+    async fn backlog(&mut self) -> Result<i64, StoreError>;
+}
+
+/// Wakes the relay when outbox rows are committed (for example PostgreSQL LISTEN/NOTIFY).
+#[async_trait]
+pub trait OutboxWakeup: Send {
+    /// Returns when new rows may have been committed, or after `timeout` (the polling fallback).
+    async fn wait(&mut self, timeout: Duration);
 }
 
 /// Saga steps, each run at most once per saga.

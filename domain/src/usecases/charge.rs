@@ -8,6 +8,7 @@ use uuid::Uuid;
 
 use super::Env;
 use crate::money::Money;
+use crate::money::format_amount;
 
 /// A field that failed validation, named as the API names it.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -174,7 +175,7 @@ pub async fn charge_payment(
                     "customer_id": payment.customer_id,
                     "provider": payment.provider,
                     "external_payment_id": payment.external_payment_id,
-                    "amount": payment.amount.to_string(),
+                    "amount": format_amount(payment.amount),
                     "currency": payment.currency,
                 }),
                 saga_id: cmd.saga_id,

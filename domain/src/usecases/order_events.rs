@@ -13,7 +13,7 @@ use super::{
     ChargeCommand, ChargeError, Env, RefundCommand, RefundError, charge_payment, refund_payment,
 };
 use crate::events::SagaStep;
-use crate::money::{Amount, Currency, Money};
+use crate::money::{Amount, Currency, Money, format_amount};
 use crate::payment::refundable;
 use crate::saga::{StepStart, begin_step, finish_step};
 
@@ -182,7 +182,7 @@ impl OrderEventHandler {
         };
         match refund_payment(uow, self.env(), &cmd).await {
             Ok((refund, _)) => Ok(
-                json!({ "refund_id": refund.id, "payment_id": payment.id, "amount": refund.amount.to_string() }),
+                json!({ "refund_id": refund.id, "payment_id": payment.id, "amount": format_amount(refund.amount) }),
             ),
             Err(RefundError::Store(e)) => Err(e.into()),
             Err(e) => Err(HandlerError::Rejected(e.to_string())),

@@ -7,6 +7,7 @@ use uuid::Uuid;
 
 use super::Env;
 use crate::money::Amount;
+use crate::money::format_amount;
 use crate::payment::{RefundRuleError, plan_refund};
 
 /// A request to refund part or all of a payment.
@@ -70,9 +71,9 @@ pub async fn refund_payment(
             "payment_id": payment.id,
             "refund_id": record.id,
             "order_id": payment.order_id,
-            "amount": record.amount.to_string(),
+            "amount": format_amount(record.amount),
             "currency": payment.currency,
-            "refunded_total": plan.refunded_amount.to_string(),
+            "refunded_total": format_amount(plan.refunded_amount),
             "status": plan.status,
         }),
         saga_id: cmd.saga_id,

@@ -3,4 +3,5 @@
 mod architecture;
 mod consumer;
 mod http;
+mod outbox;
 mod postgres;

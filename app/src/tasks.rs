@@ -1,0 +1,139 @@
+//! A task group with one cancellation signal: the Rust counterpart of Go's errgroup. When any task ends
+//! with an error (or ends at all before shutdown was asked), every other task is told to stop; the group's
+//! result is the first error.
+
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// Named tasks sharing one cancellation token.
+pub struct TaskGroup {
+    tasks: JoinSet<(&'static str, anyhow::Result<()>)>,
+    shutdown: CancellationToken,
+}
+
+impl std::fmt::Debug for TaskGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TaskGroup")
+            .field("tasks", &self.tasks.len())
+            .finish()
+    }
+}
+
+impl TaskGroup {
+    pub fn new(shutdown: CancellationToken) -> Self {
+        Self {
+            tasks: JoinSet::new(),
+            shutdown,
+        }
+    }
+
+    pub fn token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+
+    pub fn spawn<F>(&mut self, name: &'static str, task: F)
+    where
+        F: Future<Output = anyhow::Result<()>> + Send + 'static,
+    {
+        self.tasks.spawn(async move { (name, task.await) });
+    }
+
+    /// Waits for every task. The first failure (or early exit) cancels the others; once cancelled, the
+    /// others get `drain` to finish before they are aborted.
+    pub async fn wait(mut self, drain: Duration) -> anyhow::Result<()> {
+        let mut first_error: Option<anyhow::Error> = None;
+        loop {
+            let next = if self.shutdown.is_cancelled() {
+                match tokio::time::timeout(drain, self.tasks.join_next()).await {
+                    Ok(n) => n,
+                    Err(_) => {
+                        tracing::error!(
+                            remaining = self.tasks.len(),
+                            "tasks did not stop within the drain timeout; aborting them"
+                        );
+                        self.tasks.abort_all();
+                        first_error.get_or_insert_with(|| anyhow::anyhow!("shutdown timed out"));
+                        break;
+                    }
+                }
+            } else {
+                self.tasks.join_next().await
+            };
+            let Some(joined) = next else { break };
+            let (name, result) = match joined {
+                Ok(r) => r,
+                Err(e) => (
+                    "task",
+                    Err(anyhow::anyhow!("task panicked or was aborted: {e}")),
+                ),
+            };
+            match result {
+                Ok(()) if self.shutdown.is_cancelled() => tracing::info!(task = name, "stopped"),
+                Ok(()) => {
+                    tracing::error!(task = name, "stopped unexpectedly; shutting down");
+                    first_error
+                        .get_or_insert_with(|| anyhow::anyhow!("{name} stopped unexpectedly"));
+                    self.shutdown.cancel();
+                }
+                Err(e) => {
+                    tracing::error!(
+                        task = name,
+                        error = format!("{e:#}"),
+                        "failed; shutting down"
+                    );
+                    first_error.get_or_insert(e.context(name));
+                    self.shutdown.cancel();
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_failing_task_cancels_the_others_and_fails_the_group() {
+        let token = CancellationToken::new();
+        let mut group = TaskGroup::new(token.clone());
+        let t = token.clone();
+        group.spawn("waiter", async move {
+            t.cancelled().await;
+            Ok(())
+        });
+        group.spawn("failer", async { Err(anyhow::anyhow!("boom")) });
+        let err = group
+            .wait(Duration::from_secs(5))
+            .await
+            .expect_err("the group fails");
+        assert!(format!("{err:#}").contains("boom"));
+        assert!(token.is_cancelled());
+    }
+
+    #[tokio::test]
+    async fn graceful_shutdown_is_ok_and_stragglers_are_aborted() {
+        let token = CancellationToken::new();
+        let mut group = TaskGroup::new(token.clone());
+        let t = token.clone();
+        group.spawn("polite", async move {
+            t.cancelled().await;
+            Ok(())
+        });
+        token.cancel();
+        assert!(group.wait(Duration::from_secs(5)).await.is_ok());
+
+        let token = CancellationToken::new();
+        let mut group = TaskGroup::new(token.clone());
+        group.spawn("stubborn", std::future::pending());
+        token.cancel();
+        assert!(group.wait(Duration::from_millis(50)).await.is_err());
+    }
+}

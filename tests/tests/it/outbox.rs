@@ -1,0 +1,468 @@
+//! The outbox relay against the tansu broker and real PostgreSQL.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::Utc;
+use idem_domain::saga::{StepStart, begin_step, finish_step};
+use idem_domain::usecases::OrderEventHandler;
+use idem_domain::{SagaStep, TtlPolicy};
+use idem_kafka::consumer::{Runner, RunnerSettings};
+use idem_kafka::partitioner::partition_for_key;
+use idem_kafka::relay::{Relay, RelaySettings, RelayStats};
+use idem_ports::{
+    IdempotencyRepository, NewOutboxMessage, OutboxRepository, PaymentRepository,
+    ProcessedEventRepository, ProjectionRepository, SagaStepRepository, StoreError, SystemClock,
+    TransactionManager, UnitOfWork, UuidV7Generator,
+};
+use idem_postgres::{PgOutboxWakeup, PgStore};
+use idem_tests::TestDb;
+use idem_tests::kafka::{ProxiedBroker, create_topic, eventually, read_topic, unique_topic};
+use serde_json::json;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+struct RunningRelay {
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+    stats: Arc<RelayStats>,
+}
+
+impl RunningRelay {
+    async fn stop(self) {
+        self.stop.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(20), self.task).await;
+    }
+}
+
+async fn start_relay(
+    tm: Arc<dyn TransactionManager>,
+    store: &PgStore,
+    brokers: &str,
+    batch: i64,
+) -> anyhow::Result<RunningRelay> {
+    let mut settings = RelaySettings::new(brokers);
+    settings.batch_size = batch;
+    settings.poll_interval = Duration::from_millis(200);
+    settings.producer.delivery_timeout = Duration::from_secs(5);
+    let relay = Relay::new(settings, tm, Arc::new(SystemClock));
+    let stats = relay.stats();
+    let wakeup = PgOutboxWakeup::connect(store.pool()).await?;
+    let stop = CancellationToken::new();
+    let token = stop.clone();
+    let task = tokio::spawn(async move {
+        if let Err(e) = relay.run(Box::new(wakeup), token).await {
+            panic!("relay failed: {e}");
+        }
+    });
+    Ok(RunningRelay { stop, task, stats })
+}
+
+fn message(topic: &str, key: &str, payload: serde_json::Value) -> NewOutboxMessage {
+    NewOutboxMessage {
+        id: Uuid::now_v7(),
+        topic: topic.to_owned(),
+        aggregate_type: "order".into(),
+        aggregate_id: key.to_owned(),
+        event_type: payload["type"].as_str().unwrap_or("Test").to_owned(),
+        payload,
+        saga_id: None,
+        traceparent: None,
+        created_at: Utc::now(),
+    }
+}
+
+/// Writes each message in its own committed transaction, in order; returns their ids.
+async fn write(db: &TestDb, messages: Vec<NewOutboxMessage>) -> anyhow::Result<Vec<Uuid>> {
+    let mut ids = Vec::new();
+    for m in messages {
+        let mut uow = db.store.begin().await?;
+        uow.outbox().enqueue(&m).await?;
+        uow.commit().await?;
+        ids.push(m.id);
+    }
+    Ok(ids)
+}
+
+fn event_ids(read: &[idem_tests::kafka::Read]) -> Vec<String> {
+    read.iter().filter_map(|m| m.header("event_id")).collect()
+}
+
+#[tokio::test]
+async fn committed_rows_arrive_with_event_ids_and_rolled_back_rows_never() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let topic = unique_topic("payments");
+    create_topic(&brokers, &topic, 3).await?;
+    let saga = Uuid::now_v7();
+    let mut msgs: Vec<_> = (0..50)
+        .map(|i| {
+            message(
+                &topic,
+                &format!("order-{i}"),
+                json!({"type": "PaymentCaptured", "n": i}),
+            )
+        })
+        .collect();
+    msgs[0].saga_id = Some(saga);
+    msgs[0].traceparent = Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into());
+    let ids = write(&db, msgs).await?;
+    let mut uow = db.store.begin().await?;
+    uow.outbox()
+        .enqueue(&message(&topic, "ghost", json!({"type": "Ghost"})))
+        .await?;
+    uow.rollback().await?;
+
+    let relay = start_relay(Arc::new(db.store.clone()), &db.store, &brokers, 20).await?;
+    let read = read_topic(&brokers, &topic, 51, Duration::from_secs(15)).await?;
+    relay.stop().await;
+    assert_eq!(read.len(), 50, "exactly the committed rows");
+    let got: BTreeSet<String> = event_ids(&read).into_iter().collect();
+    let want: BTreeSet<String> = ids.iter().map(Uuid::to_string).collect();
+    assert_eq!(got, want);
+    let first = read
+        .iter()
+        .find(|m| m.header("event_id") == Some(ids[0].to_string()))
+        .expect("first message");
+    assert_eq!(first.header("saga_id"), Some(saga.to_string()));
+    assert_eq!(
+        first.header("event_type").as_deref(),
+        Some("PaymentCaptured")
+    );
+    assert_eq!(
+        first.header("content-type").as_deref(),
+        Some("application/json")
+    );
+    assert_eq!(
+        first.header("traceparent").as_deref(),
+        Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+    );
+    let unpublished: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
+            .fetch_one(db.pool())
+            .await?;
+    assert_eq!(unpublished, 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn two_relays_publish_every_row_once() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let topic = unique_topic("payments");
+    create_topic(&brokers, &topic, 4).await?;
+    // rows written while both relays run
+    let a = start_relay(Arc::new(db.store.clone()), &db.store, &brokers, 50).await?;
+    let b = start_relay(Arc::new(db.store.clone()), &db.store, &brokers, 50).await?;
+    let mut all = Vec::new();
+    for chunk in 0..10 {
+        let mut uow = db.store.begin().await?;
+        for i in 0..100 {
+            let m = message(
+                &topic,
+                &format!("order-{}", (chunk * 100 + i) % 37),
+                json!({"type": "T", "n": chunk * 100 + i}),
+            );
+            all.push(m.id.to_string());
+            uow.outbox().enqueue(&m).await?;
+        }
+        uow.commit().await?;
+    }
+    let read = read_topic(&brokers, &topic, 1000, Duration::from_secs(30)).await?;
+    // anything published twice would show up as more than 1000 messages
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (a_stats, b_stats) = (a.stats.clone(), b.stats.clone());
+    a.stop().await;
+    b.stop().await;
+    let ids = event_ids(&read);
+    let distinct: BTreeSet<_> = ids.iter().cloned().collect();
+    assert_eq!(ids.len(), 1000);
+    assert_eq!(distinct.len(), 1000, "no row published twice");
+    assert_eq!(distinct, all.into_iter().collect::<BTreeSet<_>>());
+    assert_eq!(
+        a_stats.published.load(Ordering::Relaxed) + b_stats.published.load(Ordering::Relaxed),
+        1000
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn one_key_arrives_in_commit_order_on_its_murmur2_partition() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let topic = unique_topic("payments");
+    let partitions = 6;
+    create_topic(&brokers, &topic, partitions).await?;
+    let keys = ["order-a", "order-b", "order-c"];
+    let mut msgs = Vec::new();
+    for n in 0..60 {
+        msgs.push(message(&topic, keys[n % 3], json!({"type": "T", "n": n})));
+    }
+    write(&db, msgs).await?; // one transaction each: commit order = n
+    let relay = start_relay(Arc::new(db.store.clone()), &db.store, &brokers, 7).await?;
+    let read = read_topic(&brokers, &topic, 60, Duration::from_secs(20)).await?;
+    relay.stop().await;
+    assert_eq!(read.len(), 60);
+    let mut by_key: BTreeMap<String, Vec<(i32, i64, u64)>> = BTreeMap::new();
+    for m in &read {
+        let key = String::from_utf8(m.key.clone().unwrap_or_default())?;
+        let n = serde_json::from_slice::<serde_json::Value>(&m.payload)?["n"]
+            .as_u64()
+            .unwrap_or(u64::MAX);
+        by_key
+            .entry(key)
+            .or_default()
+            .push((m.partition, m.offset, n));
+    }
+    for key in keys {
+        let mut seen = by_key.remove(key).unwrap_or_default();
+        assert_eq!(seen.len(), 20);
+        let partition = partition_for_key(key.as_bytes(), partitions);
+        assert!(
+            seen.iter().all(|(p, _, _)| *p == partition),
+            "{key} must land on murmur2 partition {partition}: {seen:?}"
+        );
+        seen.sort_by_key(|(_, offset, _)| *offset);
+        let order: Vec<u64> = seen.iter().map(|(_, _, n)| *n).collect();
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        assert_eq!(order, sorted, "{key} in commit order");
+    }
+    Ok(())
+}
+
+/// A unit whose commit never happens: the relay "dies" after publishing and before marking.
+struct DieBeforeCommit(PgStore);
+struct DyingUow(Box<dyn UnitOfWork>);
+
+#[async_trait]
+impl TransactionManager for DieBeforeCommit {
+    async fn begin(&self) -> Result<Box<dyn UnitOfWork>, StoreError> {
+        Ok(Box::new(DyingUow(self.0.begin().await?)))
+    }
+}
+
+#[async_trait]
+impl UnitOfWork for DyingUow {
+    fn payments(&mut self) -> &mut dyn PaymentRepository {
+        self.0.payments()
+    }
+    fn idempotency(&mut self) -> &mut dyn IdempotencyRepository {
+        self.0.idempotency()
+    }
+    fn processed_events(&mut self) -> &mut dyn ProcessedEventRepository {
+        self.0.processed_events()
+    }
+    fn outbox(&mut self) -> &mut dyn OutboxRepository {
+        self.0.outbox()
+    }
+    fn saga_steps(&mut self) -> &mut dyn SagaStepRepository {
+        self.0.saga_steps()
+    }
+    fn projections(&mut self) -> &mut dyn ProjectionRepository {
+        self.0.projections()
+    }
+    async fn commit(self: Box<Self>) -> Result<(), StoreError> {
+        std::future::pending::<()>().await;
+        Ok(())
+    }
+    async fn rollback(self: Box<Self>) -> Result<(), StoreError> {
+        self.0.rollback().await
+    }
+}
+
+#[tokio::test]
+async fn relay_killed_after_publish_republishes_the_same_event_ids_and_consumers_dedup()
+-> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let topic = unique_topic("orders");
+    create_topic(&brokers, &topic, 2).await?;
+    create_topic(&brokers, &format!("{topic}.dlq"), 1).await?;
+    let mut msgs = Vec::new();
+    for i in 0..30 {
+        let order = Uuid::now_v7();
+        msgs.push(message(&topic, &order.to_string(), json!({
+            "type": "OrderPlaced", "order_id": order, "customer_id": Uuid::now_v7(), "amount": "5.00",
+            "currency": "EUR", "provider": "stripe", "external_payment_id": format!("pi_relay_{i}"), "version": 1,
+        })));
+    }
+    let ids = write(&db, msgs).await?;
+
+    let dying = start_relay(
+        Arc::new(DieBeforeCommit(db.store.clone())),
+        &db.store,
+        &brokers,
+        100,
+    )
+    .await?;
+    let first = read_topic(&brokers, &topic, 30, Duration::from_secs(15)).await?;
+    assert_eq!(first.len(), 30, "published before the crash");
+    dying.task.abort(); // the crash: its claim transaction rolls back, rows stay unpublished
+    let _ = dying.task.await;
+    let unpublished: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
+            .fetch_one(db.pool())
+            .await?;
+    assert_eq!(unpublished, 30);
+
+    let relay = start_relay(Arc::new(db.store.clone()), &db.store, &brokers, 100).await?;
+    let both = read_topic(&brokers, &topic, 60, Duration::from_secs(15)).await?;
+    relay.stop().await;
+    assert_eq!(both.len(), 60, "every row published twice");
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for id in event_ids(&both) {
+        *counts.entry(id).or_default() += 1;
+    }
+    assert_eq!(counts.len(), 30);
+    assert!(
+        counts.values().all(|c| *c == 2),
+        "the re-publish carries the same event_id"
+    );
+    assert_eq!(
+        counts.keys().cloned().collect::<BTreeSet<_>>(),
+        ids.iter().map(Uuid::to_string).collect()
+    );
+
+    // the consumer dedups the re-published events: one payment per order
+    let mut settings = RunnerSettings::new(
+        &brokers,
+        &unique_topic("g"),
+        &topic,
+        TtlPolicy::new(Duration::from_secs(72 * 3600))?,
+    );
+    settings.consumer.session_timeout = Duration::from_millis(6000);
+    let handler = Arc::new(OrderEventHandler {
+        clock: Arc::new(SystemClock),
+        ids: Arc::new(UuidV7Generator),
+        payments_topic: "payments".into(),
+        merchant_id: "orders".into(),
+    });
+    let runner = Runner::new(
+        settings,
+        Arc::new(db.store.clone()),
+        Arc::new(SystemClock),
+        handler,
+    );
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone()));
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            Ok(stats.received.load(Ordering::Relaxed) >= 60)
+        })
+        .await?
+    );
+    stop.cancel();
+    let _ = task.await;
+    assert_eq!(
+        db.count("payment").await?,
+        30,
+        "zero duplicate effects end to end"
+    );
+    assert_eq!(stats.duplicates.load(Ordering::Relaxed), 30);
+    Ok(())
+}
+
+#[tokio::test]
+async fn broker_outage_loses_nothing() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let broker = ProxiedBroker::start().await?;
+    let topic = unique_topic("payments");
+    create_topic(&broker.bootstrap, &topic, 2).await?;
+    let relay = start_relay(Arc::new(db.store.clone()), &db.store, &broker.bootstrap, 20).await?;
+    let before = write(
+        &db,
+        (0..10)
+            .map(|i| message(&topic, &format!("k{i}"), json!({"type": "T", "n": i})))
+            .collect(),
+    )
+    .await?;
+    let stats = relay.stats.clone();
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            Ok(stats.published.load(Ordering::Relaxed) >= 10)
+        })
+        .await?
+    );
+
+    broker.proxy.cut();
+    let during = write(
+        &db,
+        (10..40)
+            .map(|i| message(&topic, &format!("k{i}"), json!({"type": "T", "n": i})))
+            .collect(),
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_secs(7)).await; // longer than the delivery timeout: publishes fail
+    let unpublished: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
+            .fetch_one(db.pool())
+            .await?;
+    assert_eq!(
+        unpublished, 30,
+        "rows written during the outage stay unpublished"
+    );
+    broker.proxy.restore();
+
+    let store = db.store.clone();
+    assert!(
+        eventually(Duration::from_secs(60), || {
+            let store = store.clone();
+            async move {
+                Ok(sqlx::query_scalar::<_, i64>(
+                    "SELECT count(*) FROM outbox_message WHERE published_at IS NULL",
+                )
+                .fetch_one(store.pool())
+                .await?
+                    == 0)
+            }
+        })
+        .await?,
+        "every row published after the broker came back"
+    );
+    relay.stop().await;
+    let read = read_topic(&broker.bootstrap, &topic, 1000, Duration::from_secs(10)).await?;
+    let got: BTreeSet<String> = event_ids(&read).into_iter().collect();
+    let want: BTreeSet<String> = before
+        .iter()
+        .chain(during.iter())
+        .map(Uuid::to_string)
+        .collect();
+    assert_eq!(got, want, "every row arrived");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_saga_step_run_twice_has_one_effect() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let step = SagaStep::new(Uuid::now_v7(), "reserve-stock")?;
+    let mut runs = 0;
+    for attempt in 0..2 {
+        let mut uow = db.store.begin().await?;
+        match begin_step(uow.as_mut(), &step, Utc::now()).await? {
+            StepStart::Run => {
+                runs += 1;
+                uow.outbox()
+                    .enqueue(&message(
+                        "stock",
+                        "order-1",
+                        json!({"type": "StockReserved"}),
+                    ))
+                    .await?;
+                finish_step(uow.as_mut(), &step, &json!({"attempt": attempt})).await?;
+            }
+            StepStart::Done(outcome) => {
+                assert_eq!(outcome, json!({"attempt": 0}), "the recorded outcome")
+            }
+        }
+        uow.commit().await?;
+    }
+    assert_eq!(runs, 1);
+    assert_eq!(db.count("outbox_message").await?, 1);
+    Ok(())
+}
