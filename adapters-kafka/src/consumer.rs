@@ -53,6 +53,9 @@ pub struct RunnerSettings {
     pub max_rejections: u32,
     /// Retention of processed-event rows.
     pub dedup_ttl: TtlPolicy,
+    /// `false` skips the processed_event bookkeeping: only for measuring what dedup costs (a baseline),
+    /// never for a real consumer.
+    pub dedup: bool,
 }
 
 impl RunnerSettings {
@@ -66,6 +69,7 @@ impl RunnerSettings {
             batch_timeout: Duration::from_millis(20),
             max_rejections: 3,
             dedup_ttl,
+            dedup: true,
         }
     }
 }
@@ -385,16 +389,16 @@ impl Runner {
                 topic: e.topic.clone(),
             })
             .collect();
-        let fresh: HashSet<Uuid> = match uow
-            .processed_events()
-            .record_new(
-                &self.settings.consumer.group_id,
-                &rows,
-                now,
-                self.settings.dedup_ttl.expires_at(now),
-            )
-            .await
-        {
+        let recorded = if self.settings.dedup {
+            let expires = self.settings.dedup_ttl.expires_at(now);
+            let consumer = &self.settings.consumer.group_id;
+            uow.processed_events()
+                .record_new(consumer, &rows, now, expires)
+                .await
+        } else {
+            Ok(rows.iter().map(|r| r.event_id).collect())
+        };
+        let fresh: HashSet<Uuid> = match recorded {
             Ok(ids) => ids.into_iter().collect(),
             Err(e) => return failed(e),
         };

@@ -371,6 +371,17 @@ impl ProcessedEventRepository for PgUnitOfWork {
         .await
         .map_err(map_sqlx_error)
     }
+
+    async fn is_processed(&mut self, consumer: &str, event_id: Uuid) -> Result<bool, StoreError> {
+        sqlx::query_scalar!(
+            r#"SELECT EXISTS (SELECT 1 FROM processed_event WHERE consumer_name = $1 AND event_id = $2) AS "exists!""#,
+            consumer,
+            event_id,
+        )
+        .fetch_one(self.connection())
+        .await
+        .map_err(map_sqlx_error)
+    }
 }
 
 #[async_trait]

@@ -130,6 +130,10 @@ pub trait ProcessedEventRepository: Send {
         created_at: DateTime<Utc>,
         expires_at: DateTime<Utc>,
     ) -> Result<Vec<Uuid>, StoreError>;
+
+    /// Whether `consumer` recorded `event_id`. A check outside the recording statement races with
+    /// concurrent consumers; it exists for diagnostics and for measuring that naive shape, not for dedup.
+    async fn is_processed(&mut self, consumer: &str, event_id: Uuid) -> Result<bool, StoreError>;
 }
 
 /// The transactional outbox: messages written with the business change, published later by the relay.
