@@ -17,6 +17,7 @@ use idem_ports::{Clock, OutboxRecord, OutboxWakeup, StoreError, TransactionManag
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use tokio::sync::{RwLock, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::client::{ProducerSettings, breaks_session};
@@ -31,15 +32,18 @@ pub struct RelaySettings {
     pub poll_interval: Duration,
     /// How long published rows are kept before cleanup deletes them.
     pub retention: Duration,
+    /// Rounds in flight at once (each claims distinct keys).
+    pub concurrency: usize,
 }
 
 impl RelaySettings {
     pub fn new(brokers: &str) -> Self {
         Self {
             producer: ProducerSettings::new(brokers),
-            batch_size: 500,
+            batch_size: 2000,
             poll_interval: Duration::from_secs(1),
             retention: Duration::from_secs(24 * 3600),
+            concurrency: 4,
         }
     }
 }
@@ -132,17 +136,59 @@ impl Relay {
         self.stats.clone()
     }
 
-    /// Relays until `shutdown`; finishes the round in hand first.
+    /// Relays until `shutdown`; finishes the rounds in hand first.
+    ///
+    /// `concurrency` workers claim and publish at once. They never share a key (the claim takes a
+    /// transaction-scoped lock per key), so a key's next round starts only after its previous round was
+    /// acknowledged and committed: per-key order holds while rounds overlap their broker round trips.
     pub async fn run(
         self,
         mut wakeup: Box<dyn OutboxWakeup>,
         shutdown: CancellationToken,
     ) -> Result<(), RelayError> {
-        let mut producer: FutureProducer = self.settings.producer.client_config().create()?;
-        tracing::info!(batch = self.settings.batch_size, "outbox relay started");
+        let producer = RwLock::new(
+            self.settings
+                .producer
+                .client_config()
+                .create::<FutureProducer>()?,
+        );
+        // Every wake-up bumps the version; a worker that saw an older version before its round claims again.
+        let (notify, _) = watch::channel(0u64);
+        tracing::info!(
+            batch = self.settings.batch_size,
+            workers = self.settings.concurrency,
+            "outbox relay started"
+        );
+        let listen = async {
+            while !shutdown.is_cancelled() {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = wakeup.wait(self.settings.poll_interval) => notify.send_modify(|v| *v += 1),
+                }
+            }
+            notify.send_modify(|v| *v += 1);
+        };
+        let workers = (0..self.settings.concurrency.max(1))
+            .map(|_| self.worker(&producer, &notify, &shutdown));
+        let (_, results) = tokio::join!(listen, futures::future::join_all(workers));
+        let producer = producer.into_inner();
+        let _ = producer.flush(Duration::from_secs(5));
+        tracing::info!("outbox relay stopped");
+        results.into_iter().collect()
+    }
+
+    async fn worker(
+        &self,
+        producer: &RwLock<FutureProducer>,
+        notify: &watch::Sender<u64>,
+        shutdown: &CancellationToken,
+    ) -> Result<(), RelayError> {
         let mut failures = 0u32;
+        let mut woken = notify.subscribe();
         while !shutdown.is_cancelled() {
-            let pause = match self.round(&producer).await {
+            woken.mark_unchanged();
+            let current = producer.read().await.clone();
+            let pause = match self.round(&current).await {
                 Ok(round) if round.failed == 0 => {
                     failures = 0;
                     if round.claimed as i64 >= self.settings.batch_size {
@@ -150,23 +196,31 @@ impl Relay {
                     }
                     tokio::select! {
                         _ = shutdown.cancelled() => break,
-                        _ = wakeup.wait(self.settings.poll_interval) => {}
+                        _ = woken.changed() => {}
+                        _ = tokio::time::sleep(self.settings.poll_interval) => {}
                     }
                     continue;
                 }
                 Ok(round) => {
-                    if round.session_broken {
-                        tracing::warn!(
-                            "producer session rejected by the broker; creating a new producer"
-                        );
-                        producer = self.settings.producer.client_config().create()?;
-                    }
                     tracing::warn!(
                         failed = round.failed,
                         claimed = round.claimed,
                         "outbox round had undelivered messages; they stay unpublished"
                     );
                     failures = failures.saturating_add(1);
+                    // A producer session the broker rejected (fenced after timeouts) or a fatal producer
+                    // error poisons the client for good: start a new producer session.
+                    let fatal = current.client().fatal_error();
+                    if round.session_broken || fatal.is_some() {
+                        let mut guard = producer.write().await;
+                        if guard.client().native_ptr() == current.client().native_ptr() {
+                            tracing::warn!(
+                                ?fatal,
+                                "producer session unusable; creating a new producer"
+                            );
+                            *guard = self.settings.producer.client_config().create()?;
+                        }
+                    }
                     backoff(failures)
                 }
                 Err(e) => {
@@ -175,19 +229,11 @@ impl Relay {
                     backoff(failures)
                 }
             };
-            // A fatal producer error (for example the idempotent producer fenced after timeouts) poisons
-            // the client for good: start a new producer session.
-            if let Some((code, reason)) = producer.client().fatal_error() {
-                tracing::error!(?code, %reason, "producer hit a fatal error; creating a new producer");
-                producer = self.settings.producer.client_config().create()?;
-            }
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 _ = tokio::time::sleep(pause) => {}
             }
         }
-        let _ = producer.flush(Duration::from_secs(5));
-        tracing::info!("outbox relay stopped");
         Ok(())
     }
 
@@ -208,12 +254,12 @@ impl Relay {
         // Enqueue in claim order (per key: commit order), then collect every delivery report.
         let mut pending = Vec::with_capacity(rows.len());
         for row in &rows {
-            let payload = row.payload.to_string();
+            let payload = row.payload.as_str();
             let headers = record_headers(row);
             let delivery = loop {
                 let record = FutureRecord::to(&row.topic)
                     .key(&row.aggregate_id)
-                    .payload(&payload)
+                    .payload(payload)
                     .headers(headers.clone());
                 match producer.send_result(record) {
                     Ok(d) => break Ok(d),

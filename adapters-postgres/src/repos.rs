@@ -416,7 +416,7 @@ impl OutboxRepository for PgUnitOfWork {
         // claimed is skipped as a whole (transaction-scoped advisory lock per key), so one key's messages
         // are never published by two relays at once, and never out of order.
         let rows = sqlx::query!(
-            r#"SELECT id, topic, aggregatetype, aggregateid, type AS "event_type", payload, headers, saga_id,
+            r#"SELECT id, topic, aggregatetype, aggregateid, type AS "event_type", payload::text AS "payload!", headers, saga_id,
                       created_at, attempts
                FROM outbox_message
                WHERE published_at IS NULL

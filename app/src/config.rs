@@ -87,11 +87,14 @@ pub struct KafkaArgs {
 #[derive(Debug, Clone, Args)]
 pub struct RelayArgs {
     /// Most outbox rows claimed and published per round.
-    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 500, value_parser = clap::value_parser!(i64).range(1..=10_000))]
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 2000, value_parser = clap::value_parser!(i64).range(1..=10_000))]
     pub outbox_batch_size: i64,
     /// Polling fallback of the relay when no NOTIFY arrives.
     #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub outbox_poll_interval: Duration,
+    /// Outbox rounds in flight at once (each claims distinct keys, so per-key order holds).
+    #[arg(long, env = "OUTBOX_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub outbox_concurrency: u32,
     /// How long published outbox rows are kept.
     #[arg(long, env = "OUTBOX_RETENTION", default_value = "24h", value_parser = parse_duration)]
     pub outbox_retention: Duration,

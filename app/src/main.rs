@@ -93,6 +93,7 @@ fn relay_settings(kafka: &KafkaArgs, relay: &RelayArgs) -> RelaySettings {
     settings.batch_size = relay.outbox_batch_size;
     settings.poll_interval = relay.outbox_poll_interval;
     settings.retention = relay.outbox_retention;
+    settings.concurrency = relay.outbox_concurrency as usize;
     settings
 }
 

@@ -215,7 +215,8 @@ pub struct OutboxRecord {
     /// The message key.
     pub aggregate_id: String,
     pub event_type: String,
-    pub payload: serde_json::Value,
+    /// The payload as JSON text, exactly as stored (published without re-serializing).
+    pub payload: String,
     /// Extra headers stored with the row (for example `traceparent`).
     pub headers: Vec<(String, String)>,
     pub saga_id: Option<Uuid>,
