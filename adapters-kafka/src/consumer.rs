@@ -20,7 +20,8 @@ use std::time::Duration;
 
 use idem_domain::{EventId, TtlPolicy};
 use idem_ports::{
-    Clock, EventHandler, HandlerError, InboundEvent, ProcessedEvent, StoreError, TransactionManager,
+    BatchError, Clock, EventHandler, HandlerError, InboundEvent, ProcessedEvent, StoreError,
+    TransactionManager,
 };
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
@@ -402,19 +403,27 @@ impl Runner {
             Ok(ids) => ids.into_iter().collect(),
             Err(e) => return failed(e),
         };
+        // First occurrence of each new event id, in partition order.
         let mut applied = HashSet::with_capacity(fresh.len());
-        let mut duplicates = 0u64;
+        let mut to_apply: Vec<(usize, &InboundEvent)> = Vec::with_capacity(fresh.len());
         for (index, event) in events.iter().enumerate() {
-            if !fresh.contains(&event.event_id) || !applied.insert(event.event_id) {
-                duplicates += 1;
-                continue;
+            if fresh.contains(&event.event_id) && applied.insert(event.event_id) {
+                to_apply.push((index, event));
             }
-            match self.handler.handle(uow.as_mut(), event).await {
-                Ok(()) => {}
-                Err(HandlerError::Store(e)) if e.is_transient() => {
-                    return BatchOutcome::Transient(e);
-                }
-                Err(error) => return BatchOutcome::EventFailed { index, error },
+        }
+        let duplicates = (events.len() - to_apply.len()) as u64;
+        let batch: Vec<&InboundEvent> = to_apply.iter().map(|(_, e)| *e).collect();
+        match self.handler.handle_batch(uow.as_mut(), &batch).await {
+            Ok(()) => {}
+            Err(BatchError {
+                error: HandlerError::Store(e),
+                ..
+            }) if e.is_transient() => {
+                return BatchOutcome::Transient(e);
+            }
+            Err(BatchError { index, error }) => {
+                let index = to_apply.get(index).map_or(0, |(i, _)| *i);
+                return BatchOutcome::EventFailed { index, error };
             }
         }
         match uow.commit().await {

@@ -129,6 +129,93 @@ impl PaymentRepository for PgUnitOfWork {
         }
     }
 
+    async fn insert_many_or_get(
+        &mut self,
+        payments: &[NewPayment],
+    ) -> Result<Vec<PaymentInsert>, StoreError> {
+        if payments.is_empty() {
+            return Ok(Vec::new());
+        }
+        let col = |f: fn(&NewPayment) -> String| payments.iter().map(f).collect::<Vec<_>>();
+        let ids: Vec<Uuid> = payments.iter().map(|p| p.id).collect();
+        let orders: Vec<Uuid> = payments.iter().map(|p| p.order_id).collect();
+        let customers: Vec<Uuid> = payments.iter().map(|p| p.customer_id).collect();
+        let amounts: Vec<Decimal> = payments.iter().map(|p| p.amount).collect();
+        let created: Vec<DateTime<Utc>> = payments.iter().map(|p| p.created_at).collect();
+        let inserted = sqlx::query_as!(
+            PaymentRow,
+            r#"INSERT INTO payment (id, merchant_id, order_id, customer_id, provider, external_payment_id,
+                                   amount, currency, status, created_at, updated_at)
+               SELECT * , p.created_at FROM UNNEST($1::uuid[], $2::text[], $3::uuid[], $4::uuid[], $5::text[],
+                                      $6::text[], $7::numeric[], $8::text[], $9::text[], $10::timestamptz[])
+                    AS p(id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                         currency, status, created_at)
+               ON CONFLICT (provider, external_payment_id) DO NOTHING
+               RETURNING id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                         currency AS "currency!", status, refunded_amount, created_at"#,
+            &ids,
+            &col(|p| p.merchant_id.clone()),
+            &orders,
+            &customers,
+            &col(|p| p.provider.clone()),
+            &col(|p| p.external_payment_id.clone()),
+            &amounts,
+            &col(|p| p.currency.clone()),
+            &col(|p| p.status.as_str().to_owned()),
+            &created,
+        )
+        .fetch_all(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        let mut by_id: std::collections::HashMap<Uuid, PaymentRecord> =
+            std::collections::HashMap::new();
+        for row in inserted {
+            let rec = PaymentRecord::try_from(row)?;
+            by_id.insert(rec.id, rec);
+        }
+        let missing: Vec<&NewPayment> = payments
+            .iter()
+            .filter(|p| !by_id.contains_key(&p.id))
+            .collect();
+        let mut existing: std::collections::HashMap<(String, String), PaymentRecord> =
+            std::collections::HashMap::new();
+        if !missing.is_empty() {
+            let providers: Vec<String> = missing.iter().map(|p| p.provider.clone()).collect();
+            let externals: Vec<String> = missing
+                .iter()
+                .map(|p| p.external_payment_id.clone())
+                .collect();
+            let rows = sqlx::query_as!(
+                PaymentRow,
+                r#"SELECT p.id, p.merchant_id, p.order_id, p.customer_id, p.provider, p.external_payment_id, p.amount,
+                          p.currency AS "currency!", p.status, p.refunded_amount, p.created_at
+                   FROM payment p
+                   JOIN UNNEST($1::text[], $2::text[]) AS k(provider, external_payment_id)
+                     ON p.provider = k.provider AND p.external_payment_id = k.external_payment_id"#,
+                &providers,
+                &externals,
+            )
+            .fetch_all(self.connection())
+            .await
+            .map_err(map_sqlx_error)?;
+            for row in rows {
+                let rec = PaymentRecord::try_from(row)?;
+                existing.insert((rec.provider.clone(), rec.external_payment_id.clone()), rec);
+            }
+        }
+        payments
+            .iter()
+            .map(|p| match by_id.get(&p.id) {
+                Some(rec) => Ok(PaymentInsert::Inserted(rec.clone())),
+                None => existing
+                    .get(&(p.provider.clone(), p.external_payment_id.clone()))
+                    .cloned()
+                    .map(PaymentInsert::Existing)
+                    .ok_or_else(|| StoreError::Retryable("conflicting payment vanished".into())),
+            })
+            .collect()
+    }
+
     async fn get(&mut self, id: Uuid) -> Result<Option<PaymentRecord>, StoreError> {
         let row = sqlx::query_as!(
             PaymentRow,
@@ -411,6 +498,38 @@ impl OutboxRepository for PgUnitOfWork {
         Ok(())
     }
 
+    async fn enqueue_many(&mut self, messages: &[NewOutboxMessage]) -> Result<(), StoreError> {
+        if messages.is_empty() {
+            return Ok(());
+        }
+        let headers: Vec<serde_json::Value> = messages
+            .iter()
+            .map(|m| match &m.traceparent {
+                Some(tp) => serde_json::json!({ "traceparent": tp }),
+                None => serde_json::json!({}),
+            })
+            .collect();
+        sqlx::query!(
+            r#"INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, headers, saga_id,
+                                          created_at)
+               SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::jsonb[],
+                                    $7::jsonb[], $8::uuid[], $9::timestamptz[])"#,
+            &messages.iter().map(|m| m.id).collect::<Vec<_>>(),
+            &messages.iter().map(|m| m.topic.clone()).collect::<Vec<_>>(),
+            &messages.iter().map(|m| m.aggregate_type.clone()).collect::<Vec<_>>(),
+            &messages.iter().map(|m| m.aggregate_id.clone()).collect::<Vec<_>>(),
+            &messages.iter().map(|m| m.event_type.clone()).collect::<Vec<_>>(),
+            &messages.iter().map(|m| m.payload.clone()).collect::<Vec<_>>(),
+            &headers,
+            &messages.iter().map(|m| m.saga_id).collect::<Vec<_>>() as &[Option<Uuid>],
+            &messages.iter().map(|m| m.created_at).collect::<Vec<_>>(),
+        )
+        .execute(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(())
+    }
+
     async fn claim_unpublished(&mut self, limit: i64) -> Result<Vec<OutboxRecord>, StoreError> {
         // Oldest first over the partial index of unpublished rows. A key whose rows another relay has
         // claimed is skipped as a whole (transaction-scoped advisory lock per key), so one key's messages
@@ -576,5 +695,31 @@ impl ProjectionRepository for PgUnitOfWork {
         .await
         .map_err(map_sqlx_error)?;
         Ok(applied.is_some())
+    }
+
+    async fn apply_order_versions(
+        &mut self,
+        versions: &[(Uuid, i64, String)],
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Uuid>, StoreError> {
+        if versions.is_empty() {
+            return Ok(Vec::new());
+        }
+        sqlx::query_scalar!(
+            r#"INSERT INTO order_projection AS o (order_id, version, status, updated_at)
+               SELECT v.order_id, v.version, v.status, $4
+               FROM UNNEST($1::uuid[], $2::bigint[], $3::text[]) AS v(order_id, version, status)
+               ON CONFLICT (order_id) DO UPDATE
+                   SET version = EXCLUDED.version, status = EXCLUDED.status, updated_at = EXCLUDED.updated_at
+                   WHERE o.version < EXCLUDED.version
+               RETURNING o.order_id"#,
+            &versions.iter().map(|v| v.0).collect::<Vec<_>>(),
+            &versions.iter().map(|v| v.1).collect::<Vec<_>>(),
+            &versions.iter().map(|v| v.2.clone()).collect::<Vec<_>>(),
+            now,
+        )
+        .fetch_all(self.connection())
+        .await
+        .map_err(map_sqlx_error)
     }
 }

@@ -22,6 +22,14 @@ pub enum HandlerError {
     Store(#[from] StoreError),
 }
 
+/// The event of a batch that failed, by its index in the batch.
+#[derive(Debug, Error)]
+#[error("event {index} of the batch: {error}")]
+pub struct BatchError {
+    pub index: usize,
+    pub error: HandlerError,
+}
+
 /// Applies events inside a unit of work owned by the caller (who also records them as processed).
 #[async_trait]
 pub trait EventHandler: Send + Sync {
@@ -32,4 +40,20 @@ pub trait EventHandler: Send + Sync {
         uow: &mut dyn UnitOfWork,
         event: &InboundEvent,
     ) -> Result<(), HandlerError>;
+
+    /// Applies events in order, as [`EventHandler::handle`] would one by one (the default does exactly
+    /// that). Handlers may override it with set-based statements; the effects MUST equal the sequential
+    /// ones. On error the caller rolls the whole unit back.
+    async fn handle_batch(
+        &self,
+        uow: &mut dyn UnitOfWork,
+        events: &[&InboundEvent],
+    ) -> Result<(), BatchError> {
+        for (index, event) in events.iter().enumerate() {
+            self.handle(uow, event)
+                .await
+                .map_err(|error| BatchError { index, error })?;
+        }
+        Ok(())
+    }
 }

@@ -14,7 +14,7 @@ mod repositories;
 mod runtime;
 
 pub use error::{PublishError, StoreError};
-pub use inbound::{EventHandler, HandlerError};
+pub use inbound::{BatchError, EventHandler, HandlerError};
 pub use records::{
     ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyState, InboundEvent,
     NewOutboxMessage, NewPayment, NewRefund, OrderVersion, OutboxRecord, PaymentInsert,

@@ -61,6 +61,14 @@ pub trait PaymentRepository: Send {
     /// concurrent insert of the same pair waits for the other transaction and then sees its row.
     async fn insert_or_get(&mut self, payment: &NewPayment) -> Result<PaymentInsert, StoreError>;
 
+    /// [`PaymentRepository::insert_or_get`] for many payments in one statement (plus one lookup for the
+    /// duplicates). Returns one outcome per input, in input order. Two inputs with the same (provider,
+    /// external_payment_id) yield `Inserted` for the first and `Existing` (that first row) for the second.
+    async fn insert_many_or_get(
+        &mut self,
+        payments: &[NewPayment],
+    ) -> Result<Vec<PaymentInsert>, StoreError>;
+
     /// The payment with this id, if any.
     async fn get(&mut self, id: Uuid) -> Result<Option<PaymentRecord>, StoreError>;
 
@@ -142,6 +150,9 @@ pub trait ProcessedEventRepository: Send {
 pub trait OutboxRepository: Send {
     async fn enqueue(&mut self, message: &NewOutboxMessage) -> Result<(), StoreError>;
 
+    /// Enqueues many messages in one statement.
+    async fn enqueue_many(&mut self, messages: &[NewOutboxMessage]) -> Result<(), StoreError>;
+
     /// Claims up to `limit` unpublished rows, oldest first, locked until this unit ends. Rows locked by
     /// another unit are skipped, and so are rows whose key another unit has claimed rows of, so that
     /// concurrent relays never publish one key's messages out of order nor a row twice at the same time.
@@ -204,6 +215,14 @@ pub trait ProjectionRepository: Send {
         status: &str,
         now: DateTime<Utc>,
     ) -> Result<bool, StoreError>;
+
+    /// [`ProjectionRepository::apply_order_version`] for many distinct orders in one statement; returns
+    /// the orders whose version was applied. Order ids MUST be distinct.
+    async fn apply_order_versions(
+        &mut self,
+        versions: &[(Uuid, i64, String)],
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Uuid>, StoreError>;
 }
 
 /// A unit of work made of mocks, for use-case tests in other crates. Commit and rollback record what

@@ -142,7 +142,53 @@ pub async fn charge_payment(
     cmd: &ChargeCommand,
 ) -> Result<ChargeOutcome, ChargeError> {
     let now = env.clock.now();
-    let new = NewPayment {
+    let insert = uow
+        .payments()
+        .insert_or_get(&new_payment(env, cmd, now))
+        .await?;
+    let outcome = classify(cmd, insert)?;
+    if let ChargeOutcome::Created(payment) = &outcome {
+        uow.outbox()
+            .enqueue(&captured_message(env, cmd, payment, now))
+            .await?;
+    }
+    Ok(outcome)
+}
+
+/// [`charge_payment`] for many commands with set-based statements: one insert for the payments, one
+/// lookup for the duplicates, one insert for the announcements. Returns one outcome per command, in
+/// order; the effects equal charging them one after the other.
+pub async fn charge_payments(
+    uow: &mut dyn UnitOfWork,
+    env: Env<'_>,
+    cmds: &[&ChargeCommand],
+) -> Result<Vec<Result<ChargeOutcome, ChargeError>>, StoreError> {
+    let now = env.clock.now();
+    let new: Vec<NewPayment> = cmds.iter().map(|c| new_payment(env, c, now)).collect();
+    let inserts = uow.payments().insert_many_or_get(&new).await?;
+    let outcomes: Vec<_> = cmds
+        .iter()
+        .zip(inserts)
+        .map(|(cmd, insert)| classify(cmd, insert))
+        .collect();
+    let messages: Vec<NewOutboxMessage> = cmds
+        .iter()
+        .zip(&outcomes)
+        .filter_map(|(cmd, o)| match o {
+            Ok(ChargeOutcome::Created(p)) => Some(captured_message(env, cmd, p, now)),
+            _ => None,
+        })
+        .collect();
+    uow.outbox().enqueue_many(&messages).await?;
+    Ok(outcomes)
+}
+
+fn new_payment(
+    env: Env<'_>,
+    cmd: &ChargeCommand,
+    now: chrono::DateTime<chrono::Utc>,
+) -> NewPayment {
+    NewPayment {
         id: env.ids.new_id(),
         merchant_id: cmd.merchant_id.clone(),
         order_id: cmd.order_id,
@@ -153,38 +199,47 @@ pub async fn charge_payment(
         currency: cmd.money.currency.as_str().to_owned(),
         status: PaymentStatus::Captured,
         created_at: now,
-    };
-    match uow.payments().insert_or_get(&new).await? {
+    }
+}
+
+fn classify(cmd: &ChargeCommand, insert: PaymentInsert) -> Result<ChargeOutcome, ChargeError> {
+    match insert {
         PaymentInsert::Existing(existing) if cmd.matches(&existing) => {
             Ok(ChargeOutcome::AlreadyCharged(existing))
         }
         PaymentInsert::Existing(existing) => Err(ChargeError::DetailsDiffer {
             existing: existing.id,
         }),
-        PaymentInsert::Inserted(payment) => {
-            let message = NewOutboxMessage {
-                id: env.ids.new_id(),
-                topic: env.payments_topic.to_owned(),
-                aggregate_type: "payment".into(),
-                aggregate_id: payment.order_id.to_string(),
-                event_type: "PaymentCaptured".into(),
-                payload: json!({
-                    "type": "PaymentCaptured",
-                    "payment_id": payment.id,
-                    "order_id": payment.order_id,
-                    "customer_id": payment.customer_id,
-                    "provider": payment.provider,
-                    "external_payment_id": payment.external_payment_id,
-                    "amount": format_amount(payment.amount),
-                    "currency": payment.currency,
-                }),
-                saga_id: cmd.saga_id,
-                traceparent: cmd.traceparent.clone(),
-                created_at: now,
-            };
-            uow.outbox().enqueue(&message).await?;
-            Ok(ChargeOutcome::Created(payment))
-        }
+        PaymentInsert::Inserted(payment) => Ok(ChargeOutcome::Created(payment)),
+    }
+}
+
+/// The `PaymentCaptured` announcement of a new payment, keyed by its order.
+fn captured_message(
+    env: Env<'_>,
+    cmd: &ChargeCommand,
+    payment: &PaymentRecord,
+    now: chrono::DateTime<chrono::Utc>,
+) -> NewOutboxMessage {
+    NewOutboxMessage {
+        id: env.ids.new_id(),
+        topic: env.payments_topic.to_owned(),
+        aggregate_type: "payment".into(),
+        aggregate_id: payment.order_id.to_string(),
+        event_type: "PaymentCaptured".into(),
+        payload: json!({
+            "type": "PaymentCaptured",
+            "payment_id": payment.id,
+            "order_id": payment.order_id,
+            "customer_id": payment.customer_id,
+            "provider": payment.provider,
+            "external_payment_id": payment.external_payment_id,
+            "amount": format_amount(payment.amount),
+            "currency": payment.currency,
+        }),
+        saga_id: cmd.saga_id,
+        traceparent: cmd.traceparent.clone(),
+        created_at: now,
     }
 }
 

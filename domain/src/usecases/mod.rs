@@ -5,7 +5,9 @@ mod charge;
 mod order_events;
 mod refund;
 
-pub use charge::{ChargeCommand, ChargeError, ChargeOutcome, InvalidField, charge_payment};
+pub use charge::{
+    ChargeCommand, ChargeError, ChargeOutcome, InvalidField, charge_payment, charge_payments,
+};
 pub use order_events::{OrderEventHandler, REFUND_STEP};
 pub use refund::{RefundCommand, RefundError, refund_payment};
 

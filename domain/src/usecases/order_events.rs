@@ -4,13 +4,16 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use idem_ports::{Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, UnitOfWork};
+use idem_ports::{
+    BatchError, Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, UnitOfWork,
+};
 use serde::Deserialize;
 use serde_json::json;
 use uuid::Uuid;
 
 use super::{
-    ChargeCommand, ChargeError, Env, RefundCommand, RefundError, charge_payment, refund_payment,
+    ChargeCommand, ChargeError, Env, RefundCommand, RefundError, charge_payment, charge_payments,
+    refund_payment,
 };
 use crate::events::SagaStep;
 use crate::money::{Amount, Currency, Money, format_amount};
@@ -70,19 +73,36 @@ impl OrderEventHandler {
     }
 }
 
-#[async_trait]
-impl EventHandler for OrderEventHandler {
-    async fn handle(
-        &self,
-        uow: &mut dyn UnitOfWork,
-        event: &InboundEvent,
-    ) -> Result<(), HandlerError> {
+/// A validated order event.
+struct Parsed {
+    order_id: Uuid,
+    version: i64,
+    action: Action,
+}
+
+enum Action {
+    Charge(ChargeCommand),
+    Compensate(SagaStep),
+}
+
+impl Parsed {
+    fn status(&self) -> &'static str {
+        match self.action {
+            Action::Charge(_) => "placed",
+            Action::Compensate(_) => "cancelled",
+        }
+    }
+}
+
+impl OrderEventHandler {
+    /// Validates an event completely before anything is written.
+    fn parse(&self, event: &InboundEvent) -> Result<Parsed, HandlerError> {
         let body: OrderEvent = serde_json::from_slice(&event.payload).map_err(malformed)?;
-        let (order_id, version, status) = match &body {
+        let (order_id, version) = match &body {
             OrderEvent::OrderPlaced {
                 order_id, version, ..
-            } => (*order_id, *version, "placed"),
-            OrderEvent::OrderCancelled { order_id, version } => (*order_id, *version, "cancelled"),
+            }
+            | OrderEvent::OrderCancelled { order_id, version } => (*order_id, *version),
         };
         if let Some(key) = &event.key
             && key.as_slice() != order_id.to_string().as_bytes()
@@ -92,23 +112,7 @@ impl EventHandler for OrderEventHandler {
         if version < 0 {
             return Err(malformed("version must not be negative"));
         }
-        let saga = match (&body, event.saga_id) {
-            (OrderEvent::OrderCancelled { .. }, None) => {
-                return Err(malformed("OrderCancelled needs a saga_id header"));
-            }
-            (_, Some(id)) => Some(SagaStep::new(id, REFUND_STEP).map_err(malformed)?),
-            (_, None) => None,
-        };
-        // Older or repeated versions are skipped: the projection never moves backwards or twice.
-        let now = self.clock.now();
-        if !uow
-            .projections()
-            .apply_order_version(order_id, version, status, now)
-            .await?
-        {
-            return Ok(());
-        }
-        match body {
+        let action = match body {
             OrderEvent::OrderPlaced {
                 customer_id,
                 amount,
@@ -133,28 +137,132 @@ impl EventHandler for OrderEventHandler {
                 if let Some(id) = event.saga_id {
                     cmd = cmd.with_saga(id);
                 }
-                match charge_payment(uow, self.env(), &cmd).await {
-                    Ok(_) => Ok(()),
-                    Err(ChargeError::DetailsDiffer { existing }) => {
-                        Err(HandlerError::Rejected(format!(
-                            "payment {existing} already uses this provider and external payment id with other details"
-                        )))
-                    }
-                    Err(ChargeError::Store(e)) => Err(e.into()),
-                }
+                Action::Charge(cmd)
             }
             OrderEvent::OrderCancelled { .. } => {
-                let Some(step) = saga else {
-                    return Err(malformed("OrderCancelled needs a saga_id header"));
-                };
+                let saga_id = event
+                    .saga_id
+                    .ok_or_else(|| malformed("OrderCancelled needs a saga_id header"))?;
+                Action::Compensate(SagaStep::new(saga_id, REFUND_STEP).map_err(malformed)?)
+            }
+        };
+        Ok(Parsed {
+            order_id,
+            version,
+            action,
+        })
+    }
+
+    async fn apply(&self, uow: &mut dyn UnitOfWork, event: Parsed) -> Result<(), HandlerError> {
+        // Older or repeated versions are skipped: the projection never moves backwards or twice.
+        let now = self.clock.now();
+        if !uow
+            .projections()
+            .apply_order_version(event.order_id, event.version, event.status(), now)
+            .await?
+        {
+            return Ok(());
+        }
+        match event.action {
+            Action::Charge(cmd) => match charge_payment(uow, self.env(), &cmd).await {
+                Ok(_) => Ok(()),
+                Err(e) => Err(charge_failure(e)),
+            },
+            Action::Compensate(step) => {
                 if let StepStart::Done(_) = begin_step(uow, &step, now).await? {
                     return Ok(());
                 }
-                let outcome = self.compensate(uow, order_id, step.saga_id()).await?;
+                let outcome = self.compensate(uow, event.order_id, step.saga_id()).await?;
                 finish_step(uow, &step, &outcome).await?;
                 Ok(())
             }
         }
+    }
+}
+
+fn charge_failure(e: ChargeError) -> HandlerError {
+    match e {
+        ChargeError::DetailsDiffer { existing } => HandlerError::Rejected(format!(
+            "payment {existing} already uses this provider and external payment id with other details"
+        )),
+        ChargeError::Store(e) => e.into(),
+    }
+}
+
+#[async_trait]
+impl EventHandler for OrderEventHandler {
+    async fn handle(
+        &self,
+        uow: &mut dyn UnitOfWork,
+        event: &InboundEvent,
+    ) -> Result<(), HandlerError> {
+        let parsed = self.parse(event)?;
+        self.apply(uow, parsed).await
+    }
+
+    /// Set-based when every event is an `OrderPlaced` of a distinct order (the common case): one statement
+    /// for the projection, one for the payments, one for the announcements. Anything else (an order twice
+    /// in the batch, a cancellation) runs event by event.
+    async fn handle_batch(
+        &self,
+        uow: &mut dyn UnitOfWork,
+        events: &[&InboundEvent],
+    ) -> Result<(), BatchError> {
+        let mut parsed = Vec::with_capacity(events.len());
+        for (index, event) in events.iter().enumerate() {
+            parsed.push(
+                self.parse(event)
+                    .map_err(|error| BatchError { index, error })?,
+            );
+        }
+        let orders: std::collections::HashSet<Uuid> = parsed.iter().map(|p| p.order_id).collect();
+        let all_charges = parsed.iter().all(|p| matches!(p.action, Action::Charge(_)));
+        if events.len() == 1 || orders.len() != parsed.len() || !all_charges {
+            for (index, p) in parsed.into_iter().enumerate() {
+                self.apply(uow, p)
+                    .await
+                    .map_err(|error| BatchError { index, error })?;
+            }
+            return Ok(());
+        }
+        let store = |error: idem_ports::StoreError| BatchError {
+            index: 0,
+            error: error.into(),
+        };
+        let now = self.clock.now();
+        let versions: Vec<(Uuid, i64, String)> = parsed
+            .iter()
+            .map(|p| (p.order_id, p.version, p.status().to_owned()))
+            .collect();
+        let applied: std::collections::HashSet<Uuid> = uow
+            .projections()
+            .apply_order_versions(&versions, now)
+            .await
+            .map_err(store)?
+            .into_iter()
+            .collect();
+        let charges: Vec<(usize, &ChargeCommand)> = parsed
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| applied.contains(&p.order_id))
+            .filter_map(|(i, p)| match &p.action {
+                Action::Charge(cmd) => Some((i, cmd)),
+                Action::Compensate(_) => None,
+            })
+            .collect();
+        let cmds: Vec<&ChargeCommand> = charges.iter().map(|(_, c)| *c).collect();
+        let outcomes = charge_payments(uow, self.env(), &cmds)
+            .await
+            .map_err(store)?;
+        for ((index, _), outcome) in charges.iter().zip(outcomes) {
+            if let Err(e) = outcome {
+                return Err(BatchError {
+                    index: *index,
+                    error: charge_failure(e),
+                });
+            }
+        }
+        Ok(())
     }
 }
 
