@@ -11,8 +11,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, SecondsFormat, Utc};
 use idem_domain::usecases::{
-    ChargeCommand, ChargeError, ChargeOutcome, Env, RefundCommand, RefundError, charge_payment,
-    refund_payment,
+    ChargeCommand, ChargeError, ChargeOutcome, Env, RefundCommand, RefundError, charge_payment, refund_payment,
 };
 use idem_domain::{Amount, Currency, Money, MoneyError, RefundRuleError, format_amount};
 use idem_ports::{Clock, IdGenerator, PaymentRecord, RefundRecord, StoreError, TransactionManager};
@@ -35,19 +34,13 @@ pub struct ApiState {
 
 impl std::fmt::Debug for ApiState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ApiState")
-            .field("payments_topic", &self.payments_topic)
-            .finish_non_exhaustive()
+        f.debug_struct("ApiState").field("payments_topic", &self.payments_topic).finish_non_exhaustive()
     }
 }
 
 impl ApiState {
     fn env(&self) -> Env<'_> {
-        Env {
-            clock: &*self.clock,
-            ids: &*self.ids,
-            payments_topic: &self.payments_topic,
-        }
+        Env { clock: &*self.clock, ids: &*self.ids, payments_topic: &self.payments_topic }
     }
 }
 
@@ -76,41 +69,28 @@ impl IntoResponse for ApiError {
             Self::Problem(p) => p.into_response(),
             Self::Store(e) if e.is_transient() => {
                 tracing::warn!(error = %e, "store unavailable");
-                Problem::new(
-                    ProblemKind::StoreUnavailable,
-                    StatusCode::SERVICE_UNAVAILABLE,
-                )
-                .retry_after(1)
-                .into_response()
+                Problem::new(ProblemKind::StoreUnavailable, StatusCode::SERVICE_UNAVAILABLE)
+                    .retry_after(1)
+                    .into_response()
             }
             Self::Store(e) => {
                 tracing::error!(error = %e, "store failed");
-                Problem::new(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR)
-                    .into_response()
+                Problem::new(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR).into_response()
             }
         }
     }
 }
 
 fn invalid(field: impl Into<String>, detail: impl Into<String>) -> ApiError {
-    Problem::new(ProblemKind::InvalidField, StatusCode::UNPROCESSABLE_ENTITY)
-        .field(field)
-        .detail(detail)
-        .into()
+    Problem::new(ProblemKind::InvalidField, StatusCode::UNPROCESSABLE_ENTITY).field(field).detail(detail).into()
 }
 
 fn not_found() -> ApiError {
-    Problem::new(ProblemKind::NotFound, StatusCode::NOT_FOUND)
-        .detail("no such payment")
-        .into()
+    Problem::new(ProblemKind::NotFound, StatusCode::NOT_FOUND).detail("no such payment").into()
 }
 
 /// Parses a JSON object body, checking the media type; names unknown fields.
-fn json_object(
-    headers: &HeaderMap,
-    body: &[u8],
-    allowed: &[&str],
-) -> Result<Map<String, Value>, ApiError> {
+fn json_object(headers: &HeaderMap, body: &[u8], allowed: &[&str]) -> Result<Map<String, Value>, ApiError> {
     let media_ok = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -118,31 +98,20 @@ fn json_object(
         .map(|m| m.trim().eq_ignore_ascii_case("application/json"))
         .unwrap_or(false);
     if !media_ok {
-        return Err(Problem::new(
-            ProblemKind::UnsupportedMediaType,
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-        )
-        .detail("send Content-Type: application/json")
-        .into());
+        return Err(Problem::new(ProblemKind::UnsupportedMediaType, StatusCode::UNSUPPORTED_MEDIA_TYPE)
+            .detail("send Content-Type: application/json")
+            .into());
     }
     let value: Value = serde_json::from_slice(body).map_err(|e| {
-        ApiError::from(
-            Problem::new(ProblemKind::MalformedJson, StatusCode::BAD_REQUEST).detail(e.to_string()),
-        )
+        ApiError::from(Problem::new(ProblemKind::MalformedJson, StatusCode::BAD_REQUEST).detail(e.to_string()))
     })?;
     let Value::Object(map) = value else {
-        return Err(
-            Problem::new(ProblemKind::MalformedJson, StatusCode::BAD_REQUEST)
-                .detail("the body must be a JSON object")
-                .into(),
-        );
+        return Err(Problem::new(ProblemKind::MalformedJson, StatusCode::BAD_REQUEST)
+            .detail("the body must be a JSON object")
+            .into());
     };
     if let Some(unknown) = map.keys().find(|k| !allowed.contains(&k.as_str())) {
-        let field = allowed
-            .iter()
-            .find(|a| **a == unknown)
-            .copied()
-            .unwrap_or("body");
+        let field = allowed.iter().find(|a| **a == unknown).copied().unwrap_or("body");
         return Err(invalid(field, format!("unknown field {unknown:?}")));
     }
     Ok(map)
@@ -163,10 +132,7 @@ fn uuid_field(map: &Map<String, Value>, field: &'static str) -> Result<Uuid, Api
 fn amount_field(map: &Map<String, Value>) -> Result<Amount, ApiError> {
     match map.get("amount") {
         Some(Value::String(s)) => Amount::parse(s).map_err(|e| invalid("amount", e.to_string())),
-        Some(Value::Number(_)) => Err(invalid(
-            "amount",
-            "must be a decimal string like \"12.34\", not a JSON number",
-        )),
+        Some(Value::Number(_)) => Err(invalid("amount", "must be a decimal string like \"12.34\", not a JSON number")),
         Some(_) => Err(invalid("amount", "must be a decimal string like \"12.34\"")),
         None => Err(invalid("amount", "is required")),
     }
@@ -175,9 +141,7 @@ fn amount_field(map: &Map<String, Value>) -> Result<Amount, ApiError> {
 fn traceparent(headers: &HeaderMap) -> Option<String> {
     let v = headers.get("traceparent")?.to_str().ok()?;
     // version-traceid-parentid-flags, 55 characters in version 00
-    let valid = v.len() == 55
-        && v.split('-').count() == 4
-        && v.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-');
+    let valid = v.len() == 55 && v.split('-').count() == 4 && v.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-');
     valid.then(|| v.to_owned())
 }
 
@@ -220,30 +184,19 @@ fn json_response(status: StatusCode, body: &impl Serialize, location: Option<Str
     let bytes = match serde_json::to_vec(body) {
         Ok(b) => b,
         Err(_) => {
-            return Problem::new(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR)
-                .into_response();
+            return Problem::new(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR).into_response();
         }
     };
     let mut response = (status, bytes).into_response();
     let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     if let Some(loc) = location.and_then(|l| HeaderValue::try_from(l).ok()) {
         headers.insert(header::LOCATION, loc);
     }
     response
 }
 
-const CHARGE_FIELDS: &[&str] = &[
-    "order_id",
-    "customer_id",
-    "provider",
-    "external_payment_id",
-    "amount",
-    "currency",
-];
+const CHARGE_FIELDS: &[&str] = &["order_id", "customer_id", "provider", "external_payment_id", "amount", "currency"];
 
 /// `POST /payments`
 pub async fn charge(
@@ -259,8 +212,8 @@ pub async fn charge(
     let provider = string_field(&map, "provider")?;
     let external_payment_id = string_field(&map, "external_payment_id")?;
     let amount = amount_field(&map)?;
-    let currency = Currency::parse(string_field(&map, "currency")?)
-        .map_err(|e: MoneyError| invalid("currency", e.to_string()))?;
+    let currency =
+        Currency::parse(string_field(&map, "currency")?).map_err(|e: MoneyError| invalid("currency", e.to_string()))?;
     let cmd = ChargeCommand::new(
         &merchant.0,
         order_id,
@@ -272,24 +225,15 @@ pub async fn charge(
     .map_err(|e| invalid(e.field, e.reason))?
     .with_traceparent(traceparent(&headers));
     match charge_payment(tx.uow(), state.env(), &cmd).await {
-        Ok(ChargeOutcome::Created(p)) => Ok(json_response(
-            StatusCode::CREATED,
-            &PaymentBody::from(&p),
-            Some(format!("/payments/{}", p.id)),
-        )),
-        Ok(ChargeOutcome::AlreadyCharged(p)) => Ok(json_response(
-            StatusCode::OK,
-            &PaymentBody::from(&p),
-            Some(format!("/payments/{}", p.id)),
-        )),
-        Err(ChargeError::DetailsDiffer { .. }) => Err(Problem::new(
-            ProblemKind::PaymentConflict,
-            StatusCode::CONFLICT,
-        )
-        .detail(
-            "a payment with this provider and external_payment_id exists with different details",
-        )
-        .into()),
+        Ok(ChargeOutcome::Created(p)) => {
+            Ok(json_response(StatusCode::CREATED, &PaymentBody::from(&p), Some(format!("/payments/{}", p.id))))
+        }
+        Ok(ChargeOutcome::AlreadyCharged(p)) => {
+            Ok(json_response(StatusCode::OK, &PaymentBody::from(&p), Some(format!("/payments/{}", p.id))))
+        }
+        Err(ChargeError::DetailsDiffer { .. }) => Err(Problem::new(ProblemKind::PaymentConflict, StatusCode::CONFLICT)
+            .detail("a payment with this provider and external_payment_id exists with different details")
+            .into()),
         Err(ChargeError::Store(e)) => Err(e.into()),
     }
 }
@@ -331,14 +275,9 @@ pub async fn refund(
     let amount = amount_field(&map)?;
     let reason = match map.get("reason") {
         None | Some(Value::Null) => None,
-        Some(Value::String(s)) if s.chars().count() <= 500 && !s.chars().any(char::is_control) => {
-            Some(s.clone())
-        }
+        Some(Value::String(s)) if s.chars().count() <= 500 && !s.chars().any(char::is_control) => Some(s.clone()),
         Some(_) => {
-            return Err(invalid(
-                "reason",
-                "must be a string of at most 500 characters without control characters",
-            ));
+            return Err(invalid("reason", "must be a string of at most 500 characters without control characters"));
         }
     };
     let cmd = RefundCommand {
@@ -356,19 +295,15 @@ pub async fn refund(
             Some(format!("/payments/{}", payment.id)),
         )),
         Err(RefundError::NotFound) => Err(not_found()),
-        Err(RefundError::Rule(e @ RefundRuleError::ExceedsCaptured { .. })) => Err(Problem::new(
-            ProblemKind::RefundExceedsCaptured,
-            StatusCode::UNPROCESSABLE_ENTITY,
-        )
-        .field("amount")
-        .detail(e.to_string())
-        .into()),
-        Err(RefundError::Rule(e)) => Err(Problem::new(
-            ProblemKind::RefundNotAllowed,
-            StatusCode::UNPROCESSABLE_ENTITY,
-        )
-        .detail(e.to_string())
-        .into()),
+        Err(RefundError::Rule(e @ RefundRuleError::ExceedsCaptured { .. })) => {
+            Err(Problem::new(ProblemKind::RefundExceedsCaptured, StatusCode::UNPROCESSABLE_ENTITY)
+                .field("amount")
+                .detail(e.to_string())
+                .into())
+        }
+        Err(RefundError::Rule(e)) => Err(Problem::new(ProblemKind::RefundNotAllowed, StatusCode::UNPROCESSABLE_ENTITY)
+            .detail(e.to_string())
+            .into()),
         Err(RefundError::Store(e)) => Err(e.into()),
     }
 }
@@ -381,16 +316,7 @@ pub async fn get_payment(
 ) -> Result<Response, ApiError> {
     let id = Uuid::try_parse(&id).map_err(|_| not_found())?;
     let mut uow = state.tm.begin().await?;
-    let payment = uow
-        .payments()
-        .get(id)
-        .await?
-        .filter(|p| *p.merchant_id == *merchant.0)
-        .ok_or_else(not_found)?;
+    let payment = uow.payments().get(id).await?.filter(|p| *p.merchant_id == *merchant.0).ok_or_else(not_found)?;
     drop(uow);
-    Ok(json_response(
-        StatusCode::OK,
-        &PaymentBody::from(&payment),
-        None,
-    ))
+    Ok(json_response(StatusCode::OK, &PaymentBody::from(&payment), None))
 }

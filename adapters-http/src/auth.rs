@@ -27,9 +27,7 @@ impl fmt::Debug for ApiKeys {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut merchants: Vec<&str> = self.by_digest.values().map(|m| &*m.0).collect();
         merchants.sort_unstable();
-        f.debug_struct("ApiKeys")
-            .field("merchants", &merchants)
-            .finish()
+        f.debug_struct("ApiKeys").field("merchants", &merchants).finish()
     }
 }
 
@@ -43,30 +41,19 @@ impl ApiKeys {
     pub fn parse(s: &str) -> Result<Self, String> {
         let mut by_digest = HashMap::new();
         for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (merchant, key) = pair
-                .split_once(':')
-                .ok_or_else(|| "IDEM_API_KEYS entries must be merchant:key".to_owned())?;
+            let (merchant, key) =
+                pair.split_once(':').ok_or_else(|| "IDEM_API_KEYS entries must be merchant:key".to_owned())?;
             let (merchant, key) = (merchant.trim(), key.trim());
             let name_ok = (1..=64).contains(&merchant.len())
-                && merchant
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+                && merchant.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
             if !name_ok {
                 return Err("IDEM_API_KEYS merchant names must be 1-64 characters of A-Z, a-z, 0-9, '_' or '-'".into());
             }
-            if key.len() < 8 || key.len() > 256 || !key.bytes().all(|b| (0x21..=0x7e).contains(&b))
-            {
-                return Err(format!(
-                    "IDEM_API_KEYS key of merchant {merchant} must be 8 to 256 printable characters"
-                ));
+            if key.len() < 8 || key.len() > 256 || !key.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+                return Err(format!("IDEM_API_KEYS key of merchant {merchant} must be 8 to 256 printable characters"));
             }
-            if by_digest
-                .insert(digest(key), Merchant(merchant.into()))
-                .is_some()
-            {
-                return Err(format!(
-                    "IDEM_API_KEYS gives the same key twice (merchant {merchant})"
-                ));
+            if by_digest.insert(digest(key), Merchant(merchant.into())).is_some() {
+                return Err(format!("IDEM_API_KEYS gives the same key twice (merchant {merchant})"));
             }
         }
         Ok(Self { by_digest })
@@ -83,17 +70,11 @@ impl ApiKeys {
 }
 
 fn unauthorized(detail: &str) -> Response {
-    Problem::new(ProblemKind::Unauthorized, StatusCode::UNAUTHORIZED)
-        .detail(detail)
-        .into_response()
+    Problem::new(ProblemKind::Unauthorized, StatusCode::UNAUTHORIZED).detail(detail).into_response()
 }
 
 /// Middleware: authenticates `Authorization: Bearer <key>` and adds the [`Merchant`] extension.
-pub async fn authenticate(
-    State(keys): State<Arc<ApiKeys>>,
-    mut req: Request,
-    next: Next,
-) -> Response {
+pub async fn authenticate(State(keys): State<Arc<ApiKeys>>, mut req: Request, next: Next) -> Response {
     let mut values = req.headers().get_all(header::AUTHORIZATION).iter();
     let (Some(value), None) = (values.next(), values.next()) else {
         return unauthorized("send exactly one Authorization: Bearer <api key> header");
@@ -101,10 +82,7 @@ pub async fn authenticate(
     let token = value
         .to_str()
         .ok()
-        .and_then(|v| {
-            v.strip_prefix("Bearer ")
-                .or_else(|| v.strip_prefix("bearer "))
-        })
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
         .map(str::trim);
     let Some(merchant) = token.and_then(|t| keys.merchant(t)).cloned() else {
         return unauthorized("the API key is not valid");
@@ -119,22 +97,12 @@ mod tests {
 
     #[test]
     fn parses_and_never_shows_keys() {
-        let keys =
-            ApiKeys::parse("merchant_a:key_a_123456, merchant_b:key_b_123456").expect("valid");
-        assert_eq!(
-            keys.merchant("key_a_123456").map(|m| &*m.0),
-            Some("merchant_a")
-        );
-        assert_eq!(
-            keys.merchant("key_b_123456").map(|m| &*m.0),
-            Some("merchant_b")
-        );
+        let keys = ApiKeys::parse("merchant_a:key_a_123456, merchant_b:key_b_123456").expect("valid");
+        assert_eq!(keys.merchant("key_a_123456").map(|m| &*m.0), Some("merchant_a"));
+        assert_eq!(keys.merchant("key_b_123456").map(|m| &*m.0), Some("merchant_b"));
         assert!(keys.merchant("key_c_123456").is_none());
         let shown = format!("{keys:?}");
-        assert!(
-            !shown.contains("key_a") && shown.contains("merchant_b"),
-            "{shown}"
-        );
+        assert!(!shown.contains("key_a") && shown.contains("merchant_b"), "{shown}");
     }
 
     #[test]

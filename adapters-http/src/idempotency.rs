@@ -29,13 +29,11 @@ use axum::extract::FromRequestParts;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use idem_domain::{Decision, Fingerprint, IdempotencyKey, TtlPolicy, decide};
-use idem_ports::{
-    ClaimOutcome, Clock, IdempotencyClaim, StoreError, StoredResponse, TransactionManager,
-    UnitOfWork,
-};
+use idem_ports::{ClaimOutcome, Clock, IdempotencyClaim, StoreError, StoredResponse, TransactionManager, UnitOfWork};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 use tower::{Layer, Service};
 
+use crate::metrics::HttpMetrics;
 use crate::problem::{Problem, ProblemKind};
 
 /// The request header carrying the key.
@@ -45,14 +43,8 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 
 /// Response headers stored and replayed. Everything else (Set-Cookie, Date, auth, request ids, rate
 /// limits, framing such as Content-Length/Transfer-Encoding) is never replayed.
-pub const REPLAYED_HEADERS: &[&str] = &[
-    "content-type",
-    "content-language",
-    "location",
-    "etag",
-    "last-modified",
-    "link",
-];
+pub const REPLAYED_HEADERS: &[&str] =
+    &["content-type", "content-language", "location", "etag", "last-modified", "link"];
 
 /// Derives the idempotency scope (for example the authenticated merchant) from the request. `None`
 /// refuses the request with 401: a key must never be shared across principals by accident.
@@ -104,6 +96,7 @@ struct Shared {
     clock: Arc<dyn Clock>,
     config: IdempotencyConfig,
     enforce_keys: bool,
+    metrics: HttpMetrics,
 }
 
 /// The layer. Apply it with `Router::route_layer` to the routes that must be idempotent, inside the
@@ -123,36 +116,28 @@ impl fmt::Debug for IdempotencyLayer {
 }
 
 impl IdempotencyLayer {
-    pub fn new(
-        tm: Arc<dyn TransactionManager>,
-        clock: Arc<dyn Clock>,
-        config: IdempotencyConfig,
-    ) -> Self {
-        Self {
-            shared: Arc::new(Shared {
-                tm,
-                clock,
-                config,
-                enforce_keys: true,
-            }),
-        }
+    pub fn new(tm: Arc<dyn TransactionManager>, clock: Arc<dyn Clock>, config: IdempotencyConfig) -> Self {
+        Self { shared: Arc::new(Shared { tm, clock, config, enforce_keys: true, metrics: HttpMetrics::default() }) }
     }
 
     /// Runs each request in a unit of work without idempotency keys (the baseline to measure the layer
     /// against). Body limits still apply.
-    pub fn transaction_only(
-        tm: Arc<dyn TransactionManager>,
-        clock: Arc<dyn Clock>,
-        config: IdempotencyConfig,
-    ) -> Self {
-        Self {
-            shared: Arc::new(Shared {
-                tm,
-                clock,
-                config,
-                enforce_keys: false,
-            }),
-        }
+    pub fn transaction_only(tm: Arc<dyn TransactionManager>, clock: Arc<dyn Clock>, config: IdempotencyConfig) -> Self {
+        Self { shared: Arc::new(Shared { tm, clock, config, enforce_keys: false, metrics: HttpMetrics::default() }) }
+    }
+}
+
+impl IdempotencyLayer {
+    /// Counts outcomes into `metrics` (shared with the rest of the HTTP adapter).
+    pub fn with_metrics(self, metrics: HttpMetrics) -> Self {
+        let shared = Arc::try_unwrap(self.shared).unwrap_or_else(|arc| Shared {
+            tm: arc.tm.clone(),
+            clock: arc.clock.clone(),
+            config: arc.config.clone(),
+            enforce_keys: arc.enforce_keys,
+            metrics: arc.metrics.clone(),
+        });
+        Self { shared: Arc::new(Shared { metrics, ..shared }) }
     }
 }
 
@@ -160,10 +145,7 @@ impl<S> Layer<S> for IdempotencyLayer {
     type Service = IdempotencyService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        IdempotencyService {
-            inner,
-            shared: self.shared.clone(),
-        }
+        IdempotencyService { inner, shared: self.shared.clone() }
     }
 }
 
@@ -198,7 +180,13 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let shared = self.shared.clone();
-        Box::pin(async move { Ok(handle(shared, inner, req).await) })
+        Box::pin(async move {
+            let mut response = handle(shared.clone(), inner, req).await;
+            if let Some(LayerOutcome(outcome)) = response.extensions_mut().remove::<LayerOutcome>() {
+                shared.metrics.outcome(outcome);
+            }
+            Ok(response)
+        })
     }
 }
 
@@ -244,16 +232,10 @@ impl<St: Send + Sync> FromRequestParts<St> for Tx {
 
     async fn from_request_parts(parts: &mut Parts, _state: &St) -> Result<Self, Problem> {
         let missing = || {
-            tracing::error!(
-                "handler needs a unit of work but the IdempotencyLayer is not installed on its route"
-            );
+            tracing::error!("handler needs a unit of work but the IdempotencyLayer is not installed on its route");
             Problem::new(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR)
         };
-        let handle = parts
-            .extensions
-            .get::<UnitOfWorkHandle>()
-            .cloned()
-            .ok_or_else(missing)?;
+        let handle = parts.extensions.get::<UnitOfWorkHandle>().cloned().ok_or_else(missing)?;
         let guard = handle.0.lock_owned().await;
         if guard.is_none() {
             return Err(missing());
@@ -262,19 +244,25 @@ impl<St: Send + Sync> FromRequestParts<St> for Tx {
     }
 }
 
+/// What the layer did with a request, carried on the response to the metrics.
+#[derive(Debug, Clone, Copy)]
+struct LayerOutcome(&'static str);
+
+fn tagged(mut response: Response, outcome: &'static str) -> Response {
+    response.extensions_mut().insert(LayerOutcome(outcome));
+    response
+}
+
 fn layer_problem(kind: ProblemKind, status: StatusCode) -> Problem {
     Problem::new(kind, status).no_store()
 }
 
 fn unavailable(err: &StoreError) -> Response {
     tracing::warn!(error = %err, "idempotency store unavailable");
-    layer_problem(
-        ProblemKind::StoreUnavailable,
-        StatusCode::SERVICE_UNAVAILABLE,
-    )
-    .detail("the request was not executed; retry with the same Idempotency-Key")
-    .retry_after(1)
-    .into_response()
+    let problem = layer_problem(ProblemKind::StoreUnavailable, StatusCode::SERVICE_UNAVAILABLE)
+        .detail("the request was not executed; retry with the same Idempotency-Key")
+        .retry_after(1);
+    tagged(problem.into_response(), "unavailable")
 }
 
 fn store_failure(err: &StoreError) -> Response {
@@ -282,35 +270,26 @@ fn store_failure(err: &StoreError) -> Response {
         return unavailable(err);
     }
     tracing::error!(error = %err, "idempotency store failed");
-    layer_problem(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR).into_response()
+    tagged(layer_problem(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR).into_response(), "failed")
 }
 
 fn in_flight() -> Response {
-    layer_problem(ProblemKind::RequestInFlight, StatusCode::CONFLICT)
+    let problem = layer_problem(ProblemKind::RequestInFlight, StatusCode::CONFLICT)
         .detail("a request with this Idempotency-Key is still being processed; retry later")
-        .retry_after(1)
-        .into_response()
+        .retry_after(1);
+    tagged(problem.into_response(), "in_flight")
 }
 
 /// Reads exactly one `Idempotency-Key` header.
 fn read_key(headers: &HeaderMap) -> Result<IdempotencyKey, Problem> {
     let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
     match (values.next(), values.next()) {
-        (None, _) => Err(layer_problem(
-            ProblemKind::IdempotencyKeyMissing,
-            StatusCode::BAD_REQUEST,
-        )
-        .detail(
-            "send an Idempotency-Key header (one per business operation, reused on every retry)",
-        )),
-        (Some(_), Some(_)) => Err(layer_problem(
-            ProblemKind::IdempotencyKeyInvalid,
-            StatusCode::BAD_REQUEST,
-        )
-        .detail("send exactly one Idempotency-Key header")),
+        (None, _) => Err(layer_problem(ProblemKind::IdempotencyKeyMissing, StatusCode::BAD_REQUEST)
+            .detail("send an Idempotency-Key header (one per business operation, reused on every retry)")),
+        (Some(_), Some(_)) => Err(layer_problem(ProblemKind::IdempotencyKeyInvalid, StatusCode::BAD_REQUEST)
+            .detail("send exactly one Idempotency-Key header")),
         (Some(v), None) => IdempotencyKey::from_header_value(v.as_bytes()).map_err(|e| {
-            layer_problem(ProblemKind::IdempotencyKeyInvalid, StatusCode::BAD_REQUEST)
-                .detail(e.to_string())
+            layer_problem(ProblemKind::IdempotencyKeyInvalid, StatusCode::BAD_REQUEST).detail(e.to_string())
         }),
     }
 }
@@ -321,16 +300,12 @@ fn too_large(limit: usize) -> Problem {
 }
 
 async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Bytes, Problem> {
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+    let declared =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(too_large(limit));
     }
-    axum::body::to_bytes(body, limit)
-        .await
-        .map_err(|_| too_large(limit))
+    axum::body::to_bytes(body, limit).await.map_err(|_| too_large(limit))
 }
 
 fn replay(stored: &StoredResponse) -> Response {
@@ -338,10 +313,7 @@ fn replay(stored: &StoredResponse) -> Response {
     *response.status_mut() = StatusCode::from_u16(stored.status_code).unwrap_or(StatusCode::OK);
     let headers = response.headers_mut();
     for (name, value) in &stored.headers {
-        if let (Ok(n), Ok(v)) = (
-            HeaderName::try_from(name.as_str()),
-            HeaderValue::try_from(value.as_str()),
-        ) {
+        if let (Ok(n), Ok(v)) = (HeaderName::try_from(name.as_str()), HeaderValue::try_from(value.as_str())) {
             headers.append(n, v);
         }
     }
@@ -359,7 +331,7 @@ where
     if !shared.enforce_keys {
         let body = match read_body(body, &parts.headers, config.max_request_body).await {
             Ok(b) => b,
-            Err(problem) => return problem.into_response(),
+            Err(problem) => return tagged(problem.into_response(), "rejected_input"),
         };
         let uow = match shared.tm.begin().await {
             Ok(uow) => uow,
@@ -370,19 +342,17 @@ where
 
     let key = match read_key(&parts.headers) {
         Ok(k) => k,
-        Err(problem) => return problem.into_response(),
+        Err(problem) => return tagged(problem.into_response(), "rejected_input"),
     };
     let Some(scope) = (config.scope)(&parts) else {
-        return Problem::new(ProblemKind::Unauthorized, StatusCode::UNAUTHORIZED).into_response();
+        let problem = Problem::new(ProblemKind::Unauthorized, StatusCode::UNAUTHORIZED);
+        return tagged(problem.into_response(), "rejected_input");
     };
     let body = match read_body(body, &parts.headers, config.max_request_body).await {
         Ok(b) => b,
-        Err(problem) => return problem.into_response(),
+        Err(problem) => return tagged(problem.into_response(), "rejected_input"),
     };
-    let route = parts
-        .uri
-        .path_and_query()
-        .map_or(parts.uri.path(), |pq| pq.as_str());
+    let route = parts.uri.path_and_query().map_or(parts.uri.path(), |pq| pq.as_str());
     let fingerprint = Fingerprint::of_request(parts.method.as_str(), route, &body);
 
     let mut uow = match shared.tm.begin().await {
@@ -402,11 +372,14 @@ where
         Ok(ClaimOutcome::Existing(record)) => match decide(Some(&record), &fingerprint, now) {
             Decision::Replay(stored) => {
                 tracing::debug!(key = %claim.key, "idempotent replay");
-                replay(stored)
+                tagged(replay(stored), "replayed")
             }
-            Decision::Conflict => layer_problem(ProblemKind::IdempotencyKeyReused, config.conflict_status)
+            Decision::Conflict => tagged(
+layer_problem(ProblemKind::IdempotencyKeyReused, config.conflict_status)
                 .detail("this Idempotency-Key was already used with a different request; use a new key for a new operation")
                 .into_response(),
+                "conflict",
+            ),
             Decision::InFlight | Decision::Execute => in_flight(),
         },
         Err(StoreError::LockTimeout) => in_flight(),
@@ -434,20 +407,18 @@ where
         Err(never) => match never {},
     };
     let Some(mut uow) = handle.0.lock().await.take() else {
-        return layer_problem(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR)
-            .into_response();
+        return layer_problem(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR).into_response();
     };
     if response.status().is_server_error() || response.extensions().get::<Unexecuted>().is_some() {
         // Roll back the business effect and the claim: nothing is stored, a retry executes again.
         drop(uow);
-        return response;
+        let outcome = if response.status().is_server_error() { "failed" } else { "rejected_input" };
+        return tagged(response, outcome);
     }
     let (mut resp_parts, resp_body) = response.into_parts();
-    let Ok(resp_bytes) = axum::body::to_bytes(resp_body, shared.config.max_response_body).await
-    else {
+    let Ok(resp_bytes) = axum::body::to_bytes(resp_body, shared.config.max_response_body).await else {
         tracing::error!("response body too large to store; rolled back");
-        return layer_problem(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR)
-            .into_response();
+        return layer_problem(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR).into_response();
     };
     if let Some(claim) = &claim {
         let stored = StoredResponse {
@@ -460,11 +431,7 @@ where
                 .collect(),
             body: resp_bytes.to_vec(),
         };
-        if let Err(e) = uow
-            .idempotency()
-            .complete(&claim.scope, &claim.key, &stored)
-            .await
-        {
+        if let Err(e) = uow.idempotency().complete(&claim.scope, &claim.key, &stored).await {
             return store_failure(&e);
         }
     }
@@ -474,5 +441,5 @@ where
         return store_failure(&e);
     }
     resp_parts.headers.remove(header::CONTENT_LENGTH);
-    Response::from_parts(resp_parts, Body::from(resp_bytes))
+    tagged(Response::from_parts(resp_parts, Body::from(resp_bytes)), "executed")
 }

@@ -6,6 +6,7 @@
 pub mod api;
 pub mod auth;
 pub mod idempotency;
+pub mod metrics;
 pub mod problem;
 
 use std::sync::Arc;
@@ -18,10 +19,12 @@ use axum::routing::{get, post};
 
 pub use api::ApiState;
 pub use auth::{ApiKeys, Merchant};
-pub use idempotency::{
-    IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyConfig, IdempotencyLayer, ScopeFn, Tx,
-};
+pub use idempotency::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyConfig, IdempotencyLayer, ScopeFn, Tx};
+pub use metrics::HttpMetrics;
 pub use problem::{PROBLEM_JSON, Problem, ProblemKind};
+
+/// The OpenAPI document of the service (the API routes and the operational ones).
+pub const OPENAPI: &str = include_str!("openapi.json");
 
 /// The scope function of the payments API: the authenticated merchant.
 pub fn merchant_scope() -> ScopeFn {
@@ -31,6 +34,17 @@ pub fn merchant_scope() -> ScopeFn {
 /// The payments API. `idempotency` wraps the two POST routes (use [`IdempotencyLayer::transaction_only`]
 /// to switch keys off); authentication wraps everything.
 pub fn router(state: ApiState, keys: Arc<ApiKeys>, idempotency: IdempotencyLayer) -> Router {
+    router_with_metrics(state, keys, idempotency, HttpMetrics::default())
+}
+
+/// [`router`], counting requests and idempotency outcomes into `metrics`.
+pub fn router_with_metrics(
+    state: ApiState,
+    keys: Arc<ApiKeys>,
+    idempotency: IdempotencyLayer,
+    metrics: HttpMetrics,
+) -> Router {
+    let idempotency = idempotency.with_metrics(metrics.clone());
     // Layer order: authentication (outer, on every route) runs first, so the idempotency layer (inner,
     // route_layer on the POST routes only) can scope keys by the merchant it established.
     let commands = Router::new()
@@ -41,15 +55,11 @@ pub fn router(state: ApiState, keys: Arc<ApiKeys>, idempotency: IdempotencyLayer
         .route("/payments/{id}", get(api::get_payment))
         .merge(commands)
         .layer(middleware::from_fn_with_state(keys, auth::authenticate))
+        .route("/openapi.json", get(|| async { ([(axum::http::header::CONTENT_TYPE, "application/json")], OPENAPI) }))
+        .route_layer(middleware::from_fn_with_state(metrics, metrics::track))
         .method_not_allowed_fallback(|| async {
-            Problem::new(
-                ProblemKind::MethodNotAllowed,
-                StatusCode::METHOD_NOT_ALLOWED,
-            )
-            .into_response()
+            Problem::new(ProblemKind::MethodNotAllowed, StatusCode::METHOD_NOT_ALLOWED).into_response()
         })
-        .fallback(|| async {
-            Problem::new(ProblemKind::NotFound, StatusCode::NOT_FOUND).into_response()
-        })
+        .fallback(|| async { Problem::new(ProblemKind::NotFound, StatusCode::NOT_FOUND).into_response() })
         .with_state(state)
 }

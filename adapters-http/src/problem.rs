@@ -56,9 +56,7 @@ impl ProblemKind {
             Self::Unauthorized => "Missing or invalid API key",
             Self::IdempotencyKeyMissing => "Idempotency-Key header is required",
             Self::IdempotencyKeyInvalid => "Idempotency-Key header is invalid",
-            Self::IdempotencyKeyReused => {
-                "Idempotency-Key was already used with a different request"
-            }
+            Self::IdempotencyKeyReused => "Idempotency-Key was already used with a different request",
             Self::RequestInFlight => "A request with this Idempotency-Key is still being processed",
             Self::StoreUnavailable => "Service temporarily unavailable",
             Self::PayloadTooLarge => "Request body too large",
@@ -111,10 +109,7 @@ impl Problem {
             kind: Some(kind),
             retry_after_secs: None,
             no_store: false,
-            unexecuted: matches!(
-                kind,
-                MalformedJson | UnsupportedMediaType | InvalidField | PayloadTooLarge
-            ),
+            unexecuted: matches!(kind, MalformedJson | UnsupportedMediaType | InvalidField | PayloadTooLarge),
         }
     }
 
@@ -173,9 +168,7 @@ impl IntoResponse for Problem {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         if self.unexecuted {
-            response
-                .extensions_mut()
-                .insert(crate::idempotency::Unexecuted);
+            response.extensions_mut().insert(crate::idempotency::Unexecuted);
         }
         response
     }

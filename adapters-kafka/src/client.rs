@@ -36,10 +36,7 @@ impl ProducerSettings {
             .set("max.in.flight.requests.per.connection", "5")
             // Retry transient errors until the delivery timeout, not a fixed count.
             .set("retries", "2147483647")
-            .set(
-                "delivery.timeout.ms",
-                self.delivery_timeout.as_millis().to_string(),
-            )
+            .set("delivery.timeout.ms", self.delivery_timeout.as_millis().to_string())
             .set("request.timeout.ms", "10000")
             .set("linger.ms", self.linger.as_millis().to_string())
             // The Java client's partitioner (murmur2 of the key, random for null keys): a key lands on the
@@ -62,11 +59,7 @@ pub struct ConsumerSettings {
 
 impl ConsumerSettings {
     pub fn new(brokers: &str, group_id: &str) -> Self {
-        Self {
-            brokers: brokers.to_owned(),
-            group_id: group_id.to_owned(),
-            session_timeout: Duration::from_secs(10),
-        }
+        Self { brokers: brokers.to_owned(), group_id: group_id.to_owned(), session_timeout: Duration::from_secs(10) }
     }
 
     pub fn client_config(&self) -> ClientConfig {
@@ -81,14 +74,8 @@ impl ConsumerSettings {
             .set("auto.offset.reset", "earliest")
             // Skip messages of aborted producer transactions.
             .set("isolation.level", "read_committed")
-            .set(
-                "session.timeout.ms",
-                self.session_timeout.as_millis().to_string(),
-            )
-            .set(
-                "heartbeat.interval.ms",
-                (self.session_timeout.as_millis() / 4).max(100).to_string(),
-            )
+            .set("session.timeout.ms", self.session_timeout.as_millis().to_string())
+            .set("heartbeat.interval.ms", (self.session_timeout.as_millis() / 4).max(100).to_string())
             .set("max.poll.interval.ms", "300000");
         c
     }
@@ -100,12 +87,6 @@ pub(crate) fn breaks_session(e: &rdkafka::error::KafkaError) -> bool {
     use rdkafka::error::RDKafkaErrorCode::*;
     matches!(
         e.rdkafka_error_code(),
-        Some(
-            ProducerFenced
-                | InvalidProducerEpoch
-                | OutOfOrderSequenceNumber
-                | UnknownProducerId
-                | Fatal
-        )
+        Some(ProducerFenced | InvalidProducerEpoch | OutOfOrderSequenceNumber | UnknownProducerId | Fatal)
     )
 }

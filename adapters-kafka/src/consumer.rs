@@ -15,14 +15,14 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use idem_domain::{EventId, TtlPolicy};
 use idem_ports::{
-    BatchError, Clock, EventHandler, HandlerError, InboundEvent, ProcessedEvent, StoreError,
-    TransactionManager,
+    BatchError, Clock, EventHandler, HandlerError, InboundEvent, ProcessedEvent, StoreError, TransactionManager,
 };
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::registry::Registry;
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -75,15 +75,31 @@ impl RunnerSettings {
     }
 }
 
-/// Counters of a running consumer.
+/// Counters of a running consumer (Prometheus counters; register them with [`ConsumerStats::register`]).
 #[derive(Debug, Default)]
 pub struct ConsumerStats {
-    pub received: AtomicU64,
-    pub processed: AtomicU64,
-    pub duplicates: AtomicU64,
-    pub dead_lettered: AtomicU64,
-    pub batches: AtomicU64,
-    pub transient_failures: AtomicU64,
+    pub received: Counter,
+    pub processed: Counter,
+    pub duplicates: Counter,
+    pub dead_lettered: Counter,
+    pub batches: Counter,
+    pub transient_failures: Counter,
+}
+
+impl ConsumerStats {
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("idem_consumer");
+        r.register("messages_received", "Messages fetched from the input topic", self.received.clone());
+        r.register("events_processed", "Events applied (new event ids, committed)", self.processed.clone());
+        r.register("events_duplicate", "Events skipped as already processed (same event_id)", self.duplicates.clone());
+        r.register("messages_dead_lettered", "Messages sent to the dead-letter topic", self.dead_lettered.clone());
+        r.register("batches_committed", "Batches committed (database, then offsets)", self.batches.clone());
+        r.register(
+            "transient_failures",
+            "Batches rolled back on a transient failure and retried",
+            self.transient_failures.clone(),
+        );
+    }
 }
 
 /// Logs rebalances. Offsets are only ever stored after their transaction committed and auto-commit is
@@ -129,11 +145,7 @@ impl Received {
     fn from_message(m: &BorrowedMessage<'_>) -> Self {
         let headers = m
             .headers()
-            .map(|h| {
-                h.iter()
-                    .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
-                    .collect()
-            })
+            .map(|h| h.iter().map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec())).collect())
             .unwrap_or_default();
         Self {
             topic: m.topic().to_owned(),
@@ -147,19 +159,14 @@ impl Received {
     }
 
     fn header(&self, name: &str) -> Option<&[u8]> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_slice())
+        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_slice())
     }
 
     /// Validates the identifying headers.
     fn to_event(&self) -> Result<InboundEvent, String> {
         let event_id = match self.header(EVENT_ID_HEADER) {
             None => return Err("missing event_id header".into()),
-            Some(raw) => {
-                EventId::parse_bytes(raw).map_err(|e| format!("invalid event_id header: {e}"))?
-            }
+            Some(raw) => EventId::parse_bytes(raw).map_err(|e| format!("invalid event_id header: {e}"))?,
         };
         let saga_id = match self.header(SAGA_ID_HEADER) {
             None => None,
@@ -200,9 +207,7 @@ pub struct Runner {
 
 impl std::fmt::Debug for Runner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Runner")
-            .field("settings", &self.settings)
-            .finish_non_exhaustive()
+        f.debug_struct("Runner").field("settings", &self.settings).finish_non_exhaustive()
     }
 }
 
@@ -223,13 +228,7 @@ impl Runner {
         clock: Arc<dyn Clock>,
         handler: Arc<dyn EventHandler>,
     ) -> Self {
-        Self {
-            settings,
-            tm,
-            clock,
-            handler,
-            stats: Arc::new(ConsumerStats::default()),
-        }
+        Self { settings, tm, clock, handler, stats: Arc::new(ConsumerStats::default()) }
     }
 
     pub fn stats(&self) -> Arc<ConsumerStats> {
@@ -239,33 +238,24 @@ impl Runner {
     /// Consumes until `shutdown` is cancelled: stops fetching, finishes (or rolls back) the batch in
     /// hand, commits what committed, leaves the group.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), RunnerError> {
-        let consumer: StreamConsumer<RunnerContext> = self
-            .settings
-            .consumer
-            .client_config()
-            .create_with_context(RunnerContext)?;
+        let consumer: StreamConsumer<RunnerContext> =
+            self.settings.consumer.client_config().create_with_context(RunnerContext)?;
         let producer: FutureProducer = self.settings.producer.client_config().create()?;
         consumer.subscribe(&[&self.settings.topic])?;
         tracing::info!(topic = %self.settings.topic, group = %self.settings.consumer.group_id, "consumer started");
         let mut rejections: HashMap<(i32, i64), u32> = HashMap::new();
         let mut done = Offsets::default();
         while let Some(batch) = self.next_batch(&consumer, &shutdown).await? {
-            self.stats
-                .received
-                .fetch_add(batch.len() as u64, Ordering::Relaxed);
-            let span =
-                tracing::info_span!("batch", size = batch.len(), first_offset = batch[0].offset);
-            let committed = self
-                .process(&producer, &batch, &mut rejections, &shutdown)
-                .instrument(span)
-                .await;
+            self.stats.received.inc_by(batch.len() as u64);
+            let span = tracing::info_span!("batch", size = batch.len(), first_offset = batch[0].offset);
+            let committed = self.process(&producer, &batch, &mut rejections, &shutdown).instrument(span).await;
             if !committed {
                 break; // shutdown while the store was down: nothing committed, nothing acknowledged
             }
             done.advance(&batch);
             // Async: a lost commit only means a redelivery, which the processed_event rows dedup.
             done.commit(&consumer, CommitMode::Async);
-            self.stats.batches.fetch_add(1, Ordering::Relaxed);
+            self.stats.batches.inc_by(1);
         }
         // Make the last positions durable before leaving the group.
         done.commit(&consumer, CommitMode::Sync);
@@ -311,11 +301,7 @@ impl Runner {
         for m in batch {
             match m.to_event() {
                 Ok(e) => events.push((m, e)),
-                Err(error) => dead.push(DeadLetter {
-                    message: m.clone(),
-                    reason: "invalid-headers",
-                    error,
-                }),
+                Err(error) => dead.push(DeadLetter { message: m.clone(), reason: "invalid-headers", error }),
             }
         }
         let mut backoff = Backoff::new();
@@ -324,9 +310,7 @@ impl Runner {
             match self.apply(&only_events).await {
                 BatchOutcome::Committed => break,
                 BatchOutcome::Transient(e) => {
-                    self.stats
-                        .transient_failures
-                        .fetch_add(1, Ordering::Relaxed);
+                    self.stats.transient_failures.inc_by(1);
                     tracing::warn!(error = %e, "batch rolled back on a transient failure; retrying");
                     if !backoff.wait(shutdown).await {
                         return false;
@@ -346,11 +330,7 @@ impl Runner {
                     tracing::warn!(event_id = %event.event_id, partition = event.partition, offset = event.offset, error = %error, give_up, "event failed");
                     if give_up {
                         rejections.remove(&key);
-                        dead.push(DeadLetter {
-                            message: (*msg).clone(),
-                            reason,
-                            error: error.to_string(),
-                        });
+                        dead.push(DeadLetter { message: (*msg).clone(), reason, error: error.to_string() });
                         events.remove(index);
                     } else if !backoff.wait(shutdown).await {
                         return false;
@@ -383,19 +363,12 @@ impl Runner {
             Err(e) => return BatchOutcome::Transient(e),
         };
         let now = self.clock.now();
-        let rows: Vec<ProcessedEvent> = events
-            .iter()
-            .map(|e| ProcessedEvent {
-                event_id: e.event_id,
-                topic: e.topic.clone(),
-            })
-            .collect();
+        let rows: Vec<ProcessedEvent> =
+            events.iter().map(|e| ProcessedEvent { event_id: e.event_id, topic: e.topic.clone() }).collect();
         let recorded = if self.settings.dedup {
             let expires = self.settings.dedup_ttl.expires_at(now);
             let consumer = &self.settings.consumer.group_id;
-            uow.processed_events()
-                .record_new(consumer, &rows, now, expires)
-                .await
+            uow.processed_events().record_new(consumer, &rows, now, expires).await
         } else {
             Ok(rows.iter().map(|r| r.event_id).collect())
         };
@@ -415,10 +388,7 @@ impl Runner {
         let batch: Vec<&InboundEvent> = to_apply.iter().map(|(_, e)| *e).collect();
         match self.handler.handle_batch(uow.as_mut(), &batch).await {
             Ok(()) => {}
-            Err(BatchError {
-                error: HandlerError::Store(e),
-                ..
-            }) if e.is_transient() => {
+            Err(BatchError { error: HandlerError::Store(e), .. }) if e.is_transient() => {
                 return BatchOutcome::Transient(e);
             }
             Err(BatchError { index, error }) => {
@@ -428,12 +398,8 @@ impl Runner {
         }
         match uow.commit().await {
             Ok(()) => {
-                self.stats
-                    .processed
-                    .fetch_add(applied.len() as u64, Ordering::Relaxed);
-                self.stats
-                    .duplicates
-                    .fetch_add(duplicates, Ordering::Relaxed);
+                self.stats.processed.inc_by(applied.len() as u64);
+                self.stats.duplicates.inc_by(duplicates);
                 BatchOutcome::Committed
             }
             Err(e) => BatchOutcome::Transient(e),
@@ -441,21 +407,13 @@ impl Runner {
     }
 
     /// Publishes a dead letter and waits for its acknowledgement (retrying until shutdown).
-    async fn dead_letter(
-        &self,
-        producer: &FutureProducer,
-        d: &DeadLetter,
-        shutdown: &CancellationToken,
-    ) -> bool {
+    async fn dead_letter(&self, producer: &FutureProducer, d: &DeadLetter, shutdown: &CancellationToken) -> bool {
         let m = &d.message;
         let (partition, offset) = (m.partition.to_string(), m.offset.to_string());
         let failed_at = self.clock.now().to_rfc3339();
         let mut headers = OwnedHeaders::new();
         for (k, v) in &m.headers {
-            headers = headers.insert(Header {
-                key: k,
-                value: Some(v),
-            });
+            headers = headers.insert(Header { key: k, value: Some(v) });
         }
         for (k, v) in [
             ("dlq.reason", d.reason),
@@ -463,25 +421,17 @@ impl Runner {
             ("dlq.original.topic", m.topic.as_str()),
             ("dlq.original.partition", partition.as_str()),
             ("dlq.original.offset", offset.as_str()),
-            (
-                "dlq.consumer.group",
-                self.settings.consumer.group_id.as_str(),
-            ),
+            ("dlq.consumer.group", self.settings.consumer.group_id.as_str()),
             ("dlq.failed.at", failed_at.as_str()),
         ] {
-            headers = headers.insert(Header {
-                key: k,
-                value: Some(v.as_bytes()),
-            });
+            headers = headers.insert(Header { key: k, value: Some(v.as_bytes()) });
         }
         let mut backoff = Backoff::new();
         // A new producer session, once the broker rejected the shared one.
         let mut fresh: Option<FutureProducer> = None;
         loop {
             let producer = fresh.as_ref().unwrap_or(producer);
-            let mut record = FutureRecord::to(&self.settings.dlq_topic)
-                .payload(&m.payload)
-                .headers(headers.clone());
+            let mut record = FutureRecord::to(&self.settings.dlq_topic).payload(&m.payload).headers(headers.clone());
             if let Some(key) = &m.key {
                 record = record.key(key);
             }
@@ -490,7 +440,7 @@ impl Runner {
             }
             match producer.send(record, Duration::from_secs(10)).await {
                 Ok(_) => {
-                    self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                    self.stats.dead_lettered.inc_by(1);
                     tracing::warn!(topic = %self.settings.dlq_topic, reason = d.reason, error = %d.error, partition = m.partition, offset = m.offset, "message dead-lettered");
                     return true;
                 }
@@ -518,10 +468,7 @@ struct Offsets(HashMap<(String, i32), i64>);
 impl Offsets {
     fn advance(&mut self, batch: &[Received]) {
         for m in batch {
-            let e = self
-                .0
-                .entry((m.topic.clone(), m.partition))
-                .or_insert(m.offset + 1);
+            let e = self.0.entry((m.topic.clone(), m.partition)).or_insert(m.offset + 1);
             *e = (*e).max(m.offset + 1);
         }
     }
@@ -551,9 +498,7 @@ struct Backoff {
 
 impl Backoff {
     fn new() -> Self {
-        Self {
-            next: Duration::from_millis(50),
-        }
+        Self { next: Duration::from_millis(50) }
     }
 
     /// Sleeps; false when shutdown came first.

@@ -7,6 +7,7 @@ pub mod admin;
 pub mod client;
 pub mod consumer;
 pub mod partitioner;
+pub mod probe;
 pub mod relay;
 
 pub use client::{ConsumerSettings, ProducerSettings};

@@ -53,20 +53,12 @@ mod tests {
             (b"foobar", -790332482),
             (b"a-little-bit-long-string", -985981536),
             (b"a-little-bit-longer-string", -1486304829),
-            (
-                b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8",
-                -58897971,
-            ),
+            (b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8", -58897971),
             (b"abc", 479470107),
             (b"", 275646681),
         ];
         for (key, want) in cases {
-            assert_eq!(
-                murmur2(key),
-                *want,
-                "key {:?}",
-                String::from_utf8_lossy(key)
-            );
+            assert_eq!(murmur2(key), *want, "key {:?}", String::from_utf8_lossy(key));
         }
     }
 

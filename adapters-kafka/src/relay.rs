@@ -10,10 +10,12 @@
 //! milliseconds, not on the next poll tick.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use idem_ports::{Clock, OutboxRecord, OutboxWakeup, StoreError, TransactionManager};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
@@ -48,16 +50,39 @@ impl RelaySettings {
     }
 }
 
-/// Counters of a running relay.
-#[derive(Debug, Default)]
+/// Metrics of a running relay (register them with [`RelayStats::register`]).
+#[derive(Debug)]
 pub struct RelayStats {
-    pub published: AtomicU64,
-    pub failed: AtomicU64,
-    pub rounds: AtomicU64,
-    /// Sum and count of commit-to-publish latencies (ms), for an average.
-    pub latency_ms_sum: AtomicU64,
-    /// Latest commit-to-publish latency observed (ms).
-    pub last_latency_ms: AtomicU64,
+    pub published: Counter,
+    pub failed: Counter,
+    pub rounds: Counter,
+    /// Seconds from a row's creation (its transaction) to the relay's mark after the broker's ack.
+    pub publish_latency: Histogram,
+}
+
+impl Default for RelayStats {
+    fn default() -> Self {
+        Self {
+            published: Counter::default(),
+            failed: Counter::default(),
+            rounds: Counter::default(),
+            publish_latency: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
+        }
+    }
+}
+
+impl RelayStats {
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("idem_outbox");
+        r.register("published", "Outbox messages published and marked", self.published.clone());
+        r.register("publish_failures", "Outbox messages whose delivery failed (left unpublished)", self.failed.clone());
+        r.register("rounds", "Claim-publish-mark rounds committed", self.rounds.clone());
+        r.register(
+            "publish_latency_seconds",
+            "From outbox row creation to publish acknowledged",
+            self.publish_latency.clone(),
+        );
+    }
 }
 
 /// Why the relay stopped.
@@ -77,9 +102,7 @@ pub struct Relay {
 
 impl std::fmt::Debug for Relay {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Relay")
-            .field("settings", &self.settings)
-            .finish_non_exhaustive()
+        f.debug_struct("Relay").field("settings", &self.settings).finish_non_exhaustive()
     }
 }
 
@@ -87,49 +110,22 @@ fn record_headers(row: &OutboxRecord) -> OwnedHeaders {
     let id = row.id.to_string();
     let saga = row.saga_id.map(|s| s.to_string());
     let mut headers = OwnedHeaders::new()
-        .insert(Header {
-            key: "event_id",
-            value: Some(id.as_bytes()),
-        })
-        .insert(Header {
-            key: "event_type",
-            value: Some(row.event_type.as_bytes()),
-        })
-        .insert(Header {
-            key: "aggregate_type",
-            value: Some(row.aggregate_type.as_bytes()),
-        })
-        .insert(Header {
-            key: "content-type",
-            value: Some(b"application/json".as_slice()),
-        });
+        .insert(Header { key: "event_id", value: Some(id.as_bytes()) })
+        .insert(Header { key: "event_type", value: Some(row.event_type.as_bytes()) })
+        .insert(Header { key: "aggregate_type", value: Some(row.aggregate_type.as_bytes()) })
+        .insert(Header { key: "content-type", value: Some(b"application/json".as_slice()) });
     if let Some(saga) = &saga {
-        headers = headers.insert(Header {
-            key: "saga_id",
-            value: Some(saga.as_bytes()),
-        });
+        headers = headers.insert(Header { key: "saga_id", value: Some(saga.as_bytes()) });
     }
     for (k, v) in &row.headers {
-        headers = headers.insert(Header {
-            key: k,
-            value: Some(v.as_bytes()),
-        });
+        headers = headers.insert(Header { key: k, value: Some(v.as_bytes()) });
     }
     headers
 }
 
 impl Relay {
-    pub fn new(
-        settings: RelaySettings,
-        tm: Arc<dyn TransactionManager>,
-        clock: Arc<dyn Clock>,
-    ) -> Self {
-        Self {
-            settings,
-            tm,
-            clock,
-            stats: Arc::new(RelayStats::default()),
-        }
+    pub fn new(settings: RelaySettings, tm: Arc<dyn TransactionManager>, clock: Arc<dyn Clock>) -> Self {
+        Self { settings, tm, clock, stats: Arc::new(RelayStats::default()) }
     }
 
     pub fn stats(&self) -> Arc<RelayStats> {
@@ -141,24 +137,11 @@ impl Relay {
     /// `concurrency` workers claim and publish at once. They never share a key (the claim takes a
     /// transaction-scoped lock per key), so a key's next round starts only after its previous round was
     /// acknowledged and committed: per-key order holds while rounds overlap their broker round trips.
-    pub async fn run(
-        self,
-        mut wakeup: Box<dyn OutboxWakeup>,
-        shutdown: CancellationToken,
-    ) -> Result<(), RelayError> {
-        let producer = RwLock::new(
-            self.settings
-                .producer
-                .client_config()
-                .create::<FutureProducer>()?,
-        );
+    pub async fn run(self, mut wakeup: Box<dyn OutboxWakeup>, shutdown: CancellationToken) -> Result<(), RelayError> {
+        let producer = RwLock::new(self.settings.producer.client_config().create::<FutureProducer>()?);
         // Every wake-up bumps the version; a worker that saw an older version before its round claims again.
         let (notify, _) = watch::channel(0u64);
-        tracing::info!(
-            batch = self.settings.batch_size,
-            workers = self.settings.concurrency,
-            "outbox relay started"
-        );
+        tracing::info!(batch = self.settings.batch_size, workers = self.settings.concurrency, "outbox relay started");
         let listen = async {
             while !shutdown.is_cancelled() {
                 tokio::select! {
@@ -168,8 +151,7 @@ impl Relay {
             }
             notify.send_modify(|v| *v += 1);
         };
-        let workers = (0..self.settings.concurrency.max(1))
-            .map(|_| self.worker(&producer, &notify, &shutdown));
+        let workers = (0..self.settings.concurrency.max(1)).map(|_| self.worker(&producer, &notify, &shutdown));
         let (_, results) = tokio::join!(listen, futures::future::join_all(workers));
         let producer = producer.into_inner();
         let _ = producer.flush(Duration::from_secs(5));
@@ -214,10 +196,7 @@ impl Relay {
                     if round.session_broken || fatal.is_some() {
                         let mut guard = producer.write().await;
                         if guard.client().native_ptr() == current.client().native_ptr() {
-                            tracing::warn!(
-                                ?fatal,
-                                "producer session unusable; creating a new producer"
-                            );
+                            tracing::warn!(?fatal, "producer session unusable; creating a new producer");
                             *guard = self.settings.producer.client_config().create()?;
                         }
                     }
@@ -240,16 +219,9 @@ impl Relay {
     /// One claim-publish-mark round.
     pub async fn round(&self, producer: &FutureProducer) -> Result<Round, StoreError> {
         let mut uow = self.tm.begin().await?;
-        let rows = uow
-            .outbox()
-            .claim_unpublished(self.settings.batch_size)
-            .await?;
+        let rows = uow.outbox().claim_unpublished(self.settings.batch_size).await?;
         if rows.is_empty() {
-            return Ok(Round {
-                claimed: 0,
-                failed: 0,
-                session_broken: false,
-            });
+            return Ok(Round { claimed: 0, failed: 0, session_broken: false });
         }
         // Enqueue in claim order (per key: commit order), then collect every delivery report.
         let mut pending = Vec::with_capacity(rows.len());
@@ -257,10 +229,8 @@ impl Relay {
             let payload = row.payload.as_str();
             let headers = record_headers(row);
             let delivery = loop {
-                let record = FutureRecord::to(&row.topic)
-                    .key(&row.aggregate_id)
-                    .payload(payload)
-                    .headers(headers.clone());
+                let record =
+                    FutureRecord::to(&row.topic).key(&row.aggregate_id).payload(payload).headers(headers.clone());
                 match producer.send_result(record) {
                     Ok(d) => break Ok(d),
                     Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
@@ -297,9 +267,7 @@ impl Relay {
             }
         }
         let now = self.clock.now();
-        let expires = now
-            + chrono::Duration::from_std(self.settings.retention)
-                .unwrap_or(chrono::Duration::hours(24));
+        let expires = now + chrono::Duration::from_std(self.settings.retention).unwrap_or(chrono::Duration::hours(24));
         let ids: Vec<_> = delivered.iter().map(|r| r.id).collect();
         if !ids.is_empty() {
             uow.outbox().mark_published(&ids, now, expires).await?;
@@ -308,23 +276,14 @@ impl Relay {
             uow.outbox().record_failure(&failed, &last_error).await?;
         }
         uow.commit().await?;
-        self.stats.rounds.fetch_add(1, Ordering::Relaxed);
-        self.stats
-            .published
-            .fetch_add(ids.len() as u64, Ordering::Relaxed);
-        self.stats
-            .failed
-            .fetch_add(failed.len() as u64, Ordering::Relaxed);
+        self.stats.rounds.inc_by(1);
+        self.stats.published.inc_by(ids.len() as u64);
+        self.stats.failed.inc_by(failed.len() as u64);
         for r in &delivered {
-            let ms = (now - r.created_at).num_milliseconds().max(0) as u64;
-            self.stats.latency_ms_sum.fetch_add(ms, Ordering::Relaxed);
-            self.stats.last_latency_ms.store(ms, Ordering::Relaxed);
+            let secs = (now - r.created_at).num_microseconds().unwrap_or(0).max(0) as f64 / 1e6;
+            self.stats.publish_latency.observe(secs);
         }
-        Ok(Round {
-            claimed: rows.len(),
-            failed: failed.len(),
-            session_broken,
-        })
+        Ok(Round { claimed: rows.len(), failed: failed.len(), session_broken })
     }
 }
 

@@ -6,9 +6,7 @@ pub fn map_sqlx_error(err: sqlx::Error) -> StoreError {
         sqlx::Error::Database(db) => {
             let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
             match code.as_str() {
-                "23505" => StoreError::UniqueViolation {
-                    constraint: db.constraint().unwrap_or_default().to_owned(),
-                },
+                "23505" => StoreError::UniqueViolation { constraint: db.constraint().unwrap_or_default().to_owned() },
                 "55P03" => StoreError::LockTimeout,
                 "40001" | "40P01" => StoreError::Retryable(db.message().to_owned()),
                 // connection exceptions, admin/crash shutdown, cannot connect now, read-only after failover

@@ -5,6 +5,7 @@
 //! Queries are compile-time checked (`query!`), with the offline data in `.sqlx/` so building needs no
 //! database.
 
+pub mod cleanup;
 mod error;
 mod repos;
 mod wakeup;
@@ -13,8 +14,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_ports::{
-    IdempotencyRepository, OutboxRepository, PaymentRepository, ProcessedEventRepository,
-    ProjectionRepository, SagaStepRepository, StoreError, TransactionManager, UnitOfWork,
+    IdempotencyRepository, OutboxRepository, PaymentRepository, ProcessedEventRepository, ProjectionRepository,
+    SagaStepRepository, StoreError, TransactionManager, UnitOfWork,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Postgres, Transaction};
@@ -35,10 +36,7 @@ pub struct PoolSettings {
 
 impl Default for PoolSettings {
     fn default() -> Self {
-        Self {
-            max_connections: 32,
-            acquire_timeout: Duration::from_secs(5),
-        }
+        Self { max_connections: 32, acquire_timeout: Duration::from_secs(5) }
     }
 }
 
@@ -51,9 +49,8 @@ pub struct PgStore {
 impl PgStore {
     /// Connects lazily-validated: fails fast if the URL is malformed or the server unreachable.
     pub async fn connect(url: &str, settings: &PoolSettings) -> Result<Self, StoreError> {
-        let options: PgConnectOptions = url
-            .parse()
-            .map_err(|e: sqlx::Error| StoreError::Other(format!("invalid database url: {e}")))?;
+        let options: PgConnectOptions =
+            url.parse().map_err(|e: sqlx::Error| StoreError::Other(format!("invalid database url: {e}")))?;
         let pool = PgPoolOptions::new()
             .max_connections(settings.max_connections)
             .acquire_timeout(settings.acquire_timeout)
@@ -73,19 +70,12 @@ impl PgStore {
 
     /// Applies pending migrations.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        MIGRATOR
-            .run(&self.pool)
-            .await
-            .map_err(|e| StoreError::Other(format!("migration failed: {e}")))
+        MIGRATOR.run(&self.pool).await.map_err(|e| StoreError::Other(format!("migration failed: {e}")))
     }
 
     /// Whether the database answers.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1")
-            .execute(&self.pool)
-            .await
-            .map(|_| ())
-            .map_err(map_sqlx_error)
+        sqlx::query("SELECT 1").execute(&self.pool).await.map(|_| ()).map_err(map_sqlx_error)
     }
 
     /// Begins a transaction, typed (for adapters' own use and tests).

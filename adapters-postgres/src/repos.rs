@@ -5,11 +5,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use idem_ports::{
-    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyRepository, IdempotencyState,
-    NewOutboxMessage, NewPayment, NewRefund, OutboxRecord, OutboxRepository, PaymentInsert,
-    PaymentRecord, PaymentRepository, PaymentStatus, ProcessedEvent, ProcessedEventRepository,
-    ProjectionRepository, RefundRecord, SagaStepClaim, SagaStepRepository, StoreError,
-    StoredResponse,
+    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyRepository, IdempotencyState, NewOutboxMessage,
+    NewPayment, NewRefund, OutboxRecord, OutboxRepository, PaymentInsert, PaymentRecord, PaymentRepository,
+    PaymentStatus, ProcessedEvent, ProcessedEventRepository, ProjectionRepository, RefundRecord, SagaStepClaim,
+    SagaStepRepository, StoreError, StoredResponse,
 };
 use rust_decimal::Decimal;
 use uuid::Uuid;
@@ -129,10 +128,7 @@ impl PaymentRepository for PgUnitOfWork {
         }
     }
 
-    async fn insert_many_or_get(
-        &mut self,
-        payments: &[NewPayment],
-    ) -> Result<Vec<PaymentInsert>, StoreError> {
+    async fn insert_many_or_get(&mut self, payments: &[NewPayment]) -> Result<Vec<PaymentInsert>, StoreError> {
         if payments.is_empty() {
             return Ok(Vec::new());
         }
@@ -167,24 +163,16 @@ impl PaymentRepository for PgUnitOfWork {
         .fetch_all(self.connection())
         .await
         .map_err(map_sqlx_error)?;
-        let mut by_id: std::collections::HashMap<Uuid, PaymentRecord> =
-            std::collections::HashMap::new();
+        let mut by_id: std::collections::HashMap<Uuid, PaymentRecord> = std::collections::HashMap::new();
         for row in inserted {
             let rec = PaymentRecord::try_from(row)?;
             by_id.insert(rec.id, rec);
         }
-        let missing: Vec<&NewPayment> = payments
-            .iter()
-            .filter(|p| !by_id.contains_key(&p.id))
-            .collect();
-        let mut existing: std::collections::HashMap<(String, String), PaymentRecord> =
-            std::collections::HashMap::new();
+        let missing: Vec<&NewPayment> = payments.iter().filter(|p| !by_id.contains_key(&p.id)).collect();
+        let mut existing: std::collections::HashMap<(String, String), PaymentRecord> = std::collections::HashMap::new();
         if !missing.is_empty() {
             let providers: Vec<String> = missing.iter().map(|p| p.provider.clone()).collect();
-            let externals: Vec<String> = missing
-                .iter()
-                .map(|p| p.external_payment_id.clone())
-                .collect();
+            let externals: Vec<String> = missing.iter().map(|p| p.external_payment_id.clone()).collect();
             let rows = sqlx::query_as!(
                 PaymentRow,
                 r#"SELECT p.id, p.merchant_id, p.order_id, p.customer_id, p.provider, p.external_payment_id, p.amount,
@@ -244,10 +232,7 @@ impl PaymentRepository for PgUnitOfWork {
         record(row)
     }
 
-    async fn find_by_order_for_update(
-        &mut self,
-        order_id: Uuid,
-    ) -> Result<Option<PaymentRecord>, StoreError> {
+    async fn find_by_order_for_update(&mut self, order_id: Uuid) -> Result<Option<PaymentRecord>, StoreError> {
         let row = sqlx::query_as!(
             PaymentRow,
             r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
@@ -338,22 +323,15 @@ impl IdempotencyRepository for PgUnitOfWork {
         }
         match IdempotencyRepository::get(self, &c.scope, &c.key).await? {
             Some(existing) => Ok(ClaimOutcome::Existing(existing)),
-            None => Err(StoreError::Retryable(
-                "conflicting idempotency record vanished".into(),
-            )),
+            None => Err(StoreError::Retryable("conflicting idempotency record vanished".into())),
         }
     }
 
-    async fn complete(
-        &mut self,
-        scope: &str,
-        key: &str,
-        response: &StoredResponse,
-    ) -> Result<(), StoreError> {
+    async fn complete(&mut self, scope: &str, key: &str, response: &StoredResponse) -> Result<(), StoreError> {
         let headers = serde_json::to_value(&response.headers)
             .map_err(|e| StoreError::Other(format!("headers not serializable: {e}")))?;
-        let status = i16::try_from(response.status_code)
-            .map_err(|_| StoreError::Other("status code out of range".into()))?;
+        let status =
+            i16::try_from(response.status_code).map_err(|_| StoreError::Other("status code out of range".into()))?;
         let done = sqlx::query!(
             r#"UPDATE idempotency_record
                SET state = 'completed', status_code = $3, response_headers = $4, response_body = $5
@@ -367,18 +345,10 @@ impl IdempotencyRepository for PgUnitOfWork {
         .execute(self.connection())
         .await
         .map_err(map_sqlx_error)?;
-        if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(StoreError::NotFound)
-        }
+        if done.rows_affected() == 1 { Ok(()) } else { Err(StoreError::NotFound) }
     }
 
-    async fn get(
-        &mut self,
-        scope: &str,
-        key: &str,
-    ) -> Result<Option<IdempotencyRecord>, StoreError> {
+    async fn get(&mut self, scope: &str, key: &str) -> Result<Option<IdempotencyRecord>, StoreError> {
         let row = sqlx::query!(
             r#"SELECT scope, key, command_hash, state, status_code, response_headers, response_body,
                       created_at, expires_at
@@ -390,10 +360,8 @@ impl IdempotencyRepository for PgUnitOfWork {
         .await
         .map_err(map_sqlx_error)?;
         let Some(row) = row else { return Ok(None) };
-        let command_hash: [u8; 32] = row
-            .command_hash
-            .try_into()
-            .map_err(|_| StoreError::Other("command_hash is not 32 bytes".into()))?;
+        let command_hash: [u8; 32] =
+            row.command_hash.try_into().map_err(|_| StoreError::Other("command_hash is not 32 bytes".into()))?;
         let state = match row.state.as_str() {
             "completed" => IdempotencyState::Completed,
             _ => IdempotencyState::InFlight,
@@ -401,18 +369,13 @@ impl IdempotencyRepository for PgUnitOfWork {
         let response = match (row.status_code, row.response_body) {
             (Some(code), Some(body)) => {
                 let headers: Vec<(String, String)> = match row.response_headers {
-                    Some(h) => serde_json::from_value(h).map_err(|e| {
-                        StoreError::Other(format!("stored headers unreadable: {e}"))
-                    })?,
+                    Some(h) => serde_json::from_value(h)
+                        .map_err(|e| StoreError::Other(format!("stored headers unreadable: {e}")))?,
                     None => Vec::new(),
                 };
-                let status_code = u16::try_from(code)
-                    .map_err(|_| StoreError::Other("stored status negative".into()))?;
-                Some(StoredResponse {
-                    status_code,
-                    headers,
-                    body,
-                })
+                let status_code =
+                    u16::try_from(code).map_err(|_| StoreError::Other("stored status negative".into()))?;
+                Some(StoredResponse { status_code, headers, body })
             }
             _ => None,
         };
@@ -551,10 +514,9 @@ impl OutboxRepository for PgUnitOfWork {
         rows.into_iter()
             .map(|r| {
                 let headers = match r.headers {
-                    serde_json::Value::Object(map) => map
-                        .into_iter()
-                        .filter_map(|(k, v)| v.as_str().map(|v| (k, v.to_owned())))
-                        .collect(),
+                    serde_json::Value::Object(map) => {
+                        map.into_iter().filter_map(|(k, v)| v.as_str().map(|v| (k, v.to_owned()))).collect()
+                    }
                     _ => Vec::new(),
                 };
                 Ok(OutboxRecord {
@@ -604,23 +566,16 @@ impl OutboxRepository for PgUnitOfWork {
     }
 
     async fn backlog(&mut self) -> Result<i64, StoreError> {
-        sqlx::query_scalar!(
-            r#"SELECT count(*) AS "n!" FROM outbox_message WHERE published_at IS NULL"#
-        )
-        .fetch_one(self.connection())
-        .await
-        .map_err(map_sqlx_error)
+        sqlx::query_scalar!(r#"SELECT count(*) AS "n!" FROM outbox_message WHERE published_at IS NULL"#)
+            .fetch_one(self.connection())
+            .await
+            .map_err(map_sqlx_error)
     }
 }
 
 #[async_trait]
 impl SagaStepRepository for PgUnitOfWork {
-    async fn claim(
-        &mut self,
-        saga_id: Uuid,
-        step: &str,
-        now: DateTime<Utc>,
-    ) -> Result<SagaStepClaim, StoreError> {
+    async fn claim(&mut self, saga_id: Uuid, step: &str, now: DateTime<Utc>) -> Result<SagaStepClaim, StoreError> {
         let claimed = sqlx::query_scalar!(
             r#"INSERT INTO saga_step (saga_id, step, created_at) VALUES ($1, $2, $3)
                ON CONFLICT (saga_id, step) DO NOTHING RETURNING 1 AS "one!""#,
@@ -634,39 +589,21 @@ impl SagaStepRepository for PgUnitOfWork {
         if claimed.is_some() {
             return Ok(SagaStepClaim::Claimed);
         }
-        let outcome = sqlx::query_scalar!(
-            "SELECT outcome FROM saga_step WHERE saga_id = $1 AND step = $2",
-            saga_id,
-            step,
-        )
-        .fetch_one(self.connection())
-        .await
-        .map_err(map_sqlx_error)?;
-        Ok(SagaStepClaim::Done(
-            outcome.unwrap_or(serde_json::Value::Null),
-        ))
+        let outcome =
+            sqlx::query_scalar!("SELECT outcome FROM saga_step WHERE saga_id = $1 AND step = $2", saga_id, step,)
+                .fetch_one(self.connection())
+                .await
+                .map_err(map_sqlx_error)?;
+        Ok(SagaStepClaim::Done(outcome.unwrap_or(serde_json::Value::Null)))
     }
 
-    async fn complete(
-        &mut self,
-        saga_id: Uuid,
-        step: &str,
-        outcome: &serde_json::Value,
-    ) -> Result<(), StoreError> {
-        let done = sqlx::query!(
-            "UPDATE saga_step SET outcome = $3 WHERE saga_id = $1 AND step = $2",
-            saga_id,
-            step,
-            outcome,
-        )
-        .execute(self.connection())
-        .await
-        .map_err(map_sqlx_error)?;
-        if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(StoreError::NotFound)
-        }
+    async fn complete(&mut self, saga_id: Uuid, step: &str, outcome: &serde_json::Value) -> Result<(), StoreError> {
+        let done =
+            sqlx::query!("UPDATE saga_step SET outcome = $3 WHERE saga_id = $1 AND step = $2", saga_id, step, outcome,)
+                .execute(self.connection())
+                .await
+                .map_err(map_sqlx_error)?;
+        if done.rows_affected() == 1 { Ok(()) } else { Err(StoreError::NotFound) }
     }
 }
 

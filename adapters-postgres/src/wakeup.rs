@@ -24,13 +24,8 @@ impl std::fmt::Debug for PgOutboxWakeup {
 
 impl PgOutboxWakeup {
     pub async fn connect(pool: &sqlx::PgPool) -> Result<Self, StoreError> {
-        let mut listener = PgListener::connect_with(pool)
-            .await
-            .map_err(map_sqlx_error)?;
-        listener
-            .listen(OUTBOX_CHANNEL)
-            .await
-            .map_err(map_sqlx_error)?;
+        let mut listener = PgListener::connect_with(pool).await.map_err(map_sqlx_error)?;
+        listener.listen(OUTBOX_CHANNEL).await.map_err(map_sqlx_error)?;
         Ok(Self { listener })
     }
 }

@@ -166,12 +166,7 @@ pub struct ServeArgs {
     #[arg(long, env = "IDEMPOTENCY_WAIT", default_value = "2s", value_parser = parse_duration)]
     pub idempotency_wait: Duration,
     /// Status answered when a key is reused with a different request.
-    #[arg(
-        long,
-        env = "IDEMPOTENCY_CONFLICT_STATUS",
-        value_enum,
-        default_value = "409"
-    )]
+    #[arg(long, env = "IDEMPOTENCY_CONFLICT_STATUS", value_enum, default_value = "409")]
     pub conflict_status: ConflictStatus,
     /// `off` runs the POST routes in a plain transaction without idempotency keys: only for measuring
     /// what the layer costs. Never run a real service with it.
@@ -204,13 +199,9 @@ impl ServeArgs {
         if topics.iter().any(|t| {
             t.is_empty()
                 || t.len() > 249
-                || !t
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+                || !t.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
         }) {
-            return Err(
-                "topic names must be 1-249 characters of a-z, A-Z, 0-9, '.', '_' or '-'".into(),
-            );
+            return Err("topic names must be 1-249 characters of a-z, A-Z, 0-9, '.', '_' or '-'".into());
         }
         if self.orders_topic == self.kafka.payments_topic {
             return Err("KAFKA_ORDERS_TOPIC and KAFKA_PAYMENTS_TOPIC must differ".into());
@@ -219,9 +210,7 @@ impl ServeArgs {
     }
 
     pub fn dlq_topic(&self) -> String {
-        self.dlq_topic
-            .clone()
-            .unwrap_or_else(|| format!("{}.dlq", self.orders_topic))
+        self.dlq_topic.clone().unwrap_or_else(|| format!("{}.dlq", self.orders_topic))
     }
 }
 
@@ -231,10 +220,7 @@ mod tests {
 
     #[test]
     fn urls_are_redacted() {
-        assert_eq!(
-            redact_url("postgres://u:secret@h:5432/db"),
-            "postgres://u:***@h:5432/db"
-        );
+        assert_eq!(redact_url("postgres://u:secret@h:5432/db"), "postgres://u:***@h:5432/db");
         assert_eq!(redact_url("postgres://u@h/db"), "postgres://u@h/db");
     }
 

@@ -2,6 +2,7 @@
 //! tasks.
 
 mod config;
+mod ops;
 mod tasks;
 
 use std::process::ExitCode;
@@ -13,15 +14,21 @@ use std::sync::Arc;
 use axum::http::StatusCode;
 use config::{ConflictStatus, DbArgs, KafkaArgs, LayerSwitch, RelayArgs, RelayOnlyArgs, ServeArgs};
 use idem_domain::usecases::OrderEventHandler;
+use idem_http::HttpMetrics;
 use idem_http::{ApiState, IdempotencyConfig, IdempotencyLayer};
 use idem_kafka::ProducerSettings;
 use idem_kafka::admin::ensure_topics;
 use idem_kafka::consumer::{Runner, RunnerSettings};
+use idem_kafka::probe::BrokerProbe;
 use idem_kafka::relay::{Relay, RelaySettings};
 use idem_ports::{Clock, IdGenerator, SystemClock, TransactionManager, UuidV7Generator};
+use idem_postgres::cleanup::{Cleaner, CleanupSettings};
 use idem_postgres::{PgOutboxWakeup, PgStore, PoolSettings};
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use tasks::TaskGroup;
 use tokio_util::sync::CancellationToken;
+use tower_http::trace::TraceLayer;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -42,6 +49,20 @@ enum Command {
     Migrate(DbArgs),
     /// Run only the outbox relay (several may run at once, on several machines).
     Relay(Box<RelayOnlyArgs>),
+    /// Delete expired idempotency records, processed events and published outbox rows.
+    Cleanup(CleanupArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct CleanupArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Run one round and exit (the only mode; `idem serve` runs the periodic cleaner).
+    #[arg(long)]
+    once: bool,
+    /// Rows per DELETE statement.
+    #[arg(long, env = "CLEANUP_BATCH_SIZE", default_value_t = 5000, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
+    batch_size: i64,
 }
 
 fn init_tracing(json: bool) {
@@ -56,10 +77,7 @@ fn init_tracing(json: bool) {
 }
 
 async fn connect(db: &DbArgs) -> anyhow::Result<PgStore> {
-    let settings = PoolSettings {
-        max_connections: db.database_max_connections,
-        ..PoolSettings::default()
-    };
+    let settings = PoolSettings { max_connections: db.database_max_connections, ..PoolSettings::default() };
     PgStore::connect(&db.database_url.0, &settings)
         .await
         .with_context(|| format!("connecting to {:?}", db.database_url))
@@ -102,19 +120,13 @@ async fn spawn_relay(
     store: &PgStore,
     kafka: &KafkaArgs,
     relay: &RelayArgs,
+    registry: &mut Registry,
 ) -> anyhow::Result<()> {
-    let wakeup = PgOutboxWakeup::connect(store.pool())
-        .await
-        .context("LISTEN for outbox notifications")?;
-    let relay = Relay::new(
-        relay_settings(kafka, relay),
-        Arc::new(store.clone()),
-        Arc::new(SystemClock),
-    );
+    let wakeup = PgOutboxWakeup::connect(store.pool()).await.context("LISTEN for outbox notifications")?;
+    let relay = Relay::new(relay_settings(kafka, relay), Arc::new(store.clone()), Arc::new(SystemClock));
+    relay.stats().register(registry);
     let token = group.token();
-    group.spawn("outbox relay", async move {
-        Ok(relay.run(Box::new(wakeup), token).await?)
-    });
+    group.spawn("outbox relay", async move { Ok(relay.run(Box::new(wakeup), token).await?) });
     Ok(())
 }
 
@@ -141,6 +153,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     cancel_on_signal(shutdown.clone());
     let mut group = TaskGroup::new(shutdown.clone());
+    let mut registry = Registry::default();
+    let http_metrics = HttpMetrics::default();
+    http_metrics.register(&mut registry);
 
     // HTTP API
     let state = ApiState {
@@ -158,32 +173,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let layer = match args.idempotency_layer {
         LayerSwitch::On => IdempotencyLayer::new(tm.clone(), clock.clone(), idem_config),
         LayerSwitch::Off => {
-            tracing::warn!(
-                "idempotency layer is OFF: requests are not deduplicated (benchmark mode)"
-            );
+            tracing::warn!("idempotency layer is OFF: requests are not deduplicated (benchmark mode)");
             IdempotencyLayer::transaction_only(tm.clone(), clock.clone(), idem_config)
         }
     };
-    let app = idem_http::router(state, Arc::new(args.api_keys.clone()), layer);
-    let listener = tokio::net::TcpListener::bind(args.http_addr)
-        .await
-        .with_context(|| format!("binding {}", args.http_addr))?;
-    tracing::info!(addr = %listener.local_addr()?, "HTTP API listening");
-    let token = shutdown.clone();
-    group.spawn("http", async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move { token.cancelled().await })
-            .await?;
-        Ok(())
-    });
-
+    let api = idem_http::router_with_metrics(state, Arc::new(args.api_keys.clone()), layer, http_metrics);
     // Order-event consumer
-    let mut settings = RunnerSettings::new(
-        &args.kafka.kafka_brokers,
-        &args.group_id,
-        &args.orders_topic,
-        args.dedup_ttl,
-    );
+    let mut settings =
+        RunnerSettings::new(&args.kafka.kafka_brokers, &args.group_id, &args.orders_topic, args.dedup_ttl);
     settings.dlq_topic = dlq_topic;
     settings.batch_size = args.batch_size as usize;
     settings.batch_timeout = args.batch_timeout;
@@ -197,19 +194,74 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         merchant_id: args.orders_merchant_id.clone(),
     });
     let runner = Runner::new(settings, tm.clone(), clock.clone(), handler);
+    runner.stats().register(&mut registry);
     let token = shutdown.clone();
-    group.spawn(
-        "order consumer",
-        async move { Ok(runner.run(token).await?) },
-    );
+    group.spawn("order consumer", async move { Ok(runner.run(token).await?) });
 
     // Outbox relay
-    spawn_relay(&mut group, &store, &args.kafka, &args.relay).await?;
+    spawn_relay(&mut group, &store, &args.kafka, &args.relay, &mut registry).await?;
+
+    // TTL cleanup
+    let cleaner = Cleaner::new(store.clone(), CleanupSettings::default());
+    let cleanup_stats = cleaner.stats();
+    cleanup_stats.register(&mut registry);
+    let (token, interval) = (shutdown.clone(), args.cleanup_interval);
+    group.spawn("ttl cleaner", async move {
+        cleaner.run(interval, token).await;
+        Ok(())
+    });
+
+    // Operational endpoints, then serve everything
+    let outbox_backlog = Gauge::default();
+    registry.register("idem_outbox_backlog", "Unpublished outbox rows", outbox_backlog.clone());
+    let ops = ops::Ops {
+        store: store.clone(),
+        broker: BrokerProbe::new(&args.kafka.kafka_brokers)?,
+        registry: Arc::new(registry),
+        outbox_backlog,
+        cleanup: cleanup_stats,
+    };
+    let app = api.merge(ops::router(ops)).layer(
+        TraceLayer::new_for_http().make_span_with(|req: &axum::http::Request<axum::body::Body>| {
+            tracing::info_span!("request", method = %req.method(), path = %req.uri().path())
+        }),
+    );
+
+    {
+        let listener = tokio::net::TcpListener::bind(args.http_addr)
+            .await
+            .with_context(|| format!("binding {}", args.http_addr))?;
+        tracing::info!(addr = %listener.local_addr()?, "HTTP API listening");
+        let token = shutdown.clone();
+        group.spawn("http", async move {
+            axum::serve(listener, app).with_graceful_shutdown(async move { token.cancelled().await }).await?;
+            Ok(())
+        });
+    }
 
     let result = group.wait(args.shutdown_timeout).await;
     store.pool().close().await;
     tracing::info!("stopped");
     result
+}
+
+async fn cleanup_once(args: CleanupArgs) -> anyhow::Result<()> {
+    init_tracing(false);
+    anyhow::ensure!(args.once, "idem cleanup needs --once (idem serve runs the periodic cleaner)");
+    let store = connect(&args.db).await?;
+    store.migrate().await.context("applying migrations")?;
+    let settings = CleanupSettings { batch_size: args.batch_size, ..CleanupSettings::default() };
+    match Cleaner::new(store.clone(), settings).run_once(chrono::Utc::now()).await? {
+        Some(report) => {
+            for (table, n) in &report.deleted {
+                tracing::info!(table = table.name(), deleted = n, "expired rows deleted");
+            }
+            tracing::info!(total = report.total(), "cleanup done");
+        }
+        None => tracing::warn!("another instance holds the cleaner lock; nothing done"),
+    }
+    store.pool().close().await;
+    Ok(())
 }
 
 async fn relay_only(args: RelayOnlyArgs) -> anyhow::Result<()> {
@@ -219,7 +271,7 @@ async fn relay_only(args: RelayOnlyArgs) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     cancel_on_signal(shutdown.clone());
     let mut group = TaskGroup::new(shutdown);
-    spawn_relay(&mut group, &store, &args.kafka, &args.relay).await?;
+    spawn_relay(&mut group, &store, &args.kafka, &args.relay, &mut Registry::default()).await?;
     let result = group.wait(std::time::Duration::from_secs(20)).await;
     store.pool().close().await;
     result
@@ -240,6 +292,7 @@ async fn main() -> ExitCode {
         Command::Serve(args) => serve(*args).await,
         Command::Migrate(db) => migrate(db).await,
         Command::Relay(args) => relay_only(*args).await,
+        Command::Cleanup(args) => cleanup_once(args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -248,5 +301,58 @@ async fn main() -> ExitCode {
             eprintln!("idem: {err:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &[&str] = &["idem", "serve", "--database-url", "postgres://u:secret@h/db"];
+
+    fn serve_with(extra: &[&str]) -> Result<ServeArgs, String> {
+        let keys: &[&str] = if extra.contains(&"--api-keys") { &[] } else { &["--api-keys", "m:key_0123456789"] };
+        let args: Vec<&str> = BASE.iter().chain(keys).chain(extra).copied().collect();
+        match Cli::try_parse_from(args) {
+            Ok(Cli { command: Command::Serve(args) }) => args.validate().map(|()| *args),
+            Ok(other) => Err(format!("unexpected command {other:?}")),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    fn refused(extra: &[&str], message: &str) {
+        let err = serve_with(extra).expect_err("must be refused");
+        assert!(err.contains(message), "{extra:?}: expected {message:?} in {err}");
+    }
+
+    #[test]
+    fn defaults_are_valid_and_secrets_are_not_printed() {
+        let args = serve_with(&[]).expect("defaults valid");
+        assert_eq!(args.http_addr.to_string(), "127.0.0.1:8080");
+        assert_eq!(args.idempotency_ttl.ttl(), std::time::Duration::from_secs(48 * 3600));
+        assert_eq!(args.dedup_ttl.ttl(), std::time::Duration::from_secs(72 * 3600));
+        assert_eq!(args.dlq_topic(), "orders.dlq");
+        let shown = format!("{args:?}");
+        assert!(!shown.contains("secret") && !shown.contains("key_0123456789"), "{shown}");
+    }
+
+    #[test]
+    fn each_invalid_setting_is_refused_with_its_rule() {
+        refused(&["--idempotency-ttl", "12h"], "between 24h and 72h");
+        refused(&["--idempotency-ttl", "73h"], "between 24h and 72h");
+        refused(&["--dedup-ttl", "1h"], "between 24h and 72h");
+        refused(&["--dedup-ttl", "soon"], "write durations like 48h");
+        refused(&["--api-keys", ""], "IDEM_API_KEYS is empty");
+        refused(&["--api-keys", "nocolon"], "merchant:key");
+        refused(&["--api-keys", "m:short"], "8 to 256 printable");
+        refused(&["--http-addr", "localhost"], "invalid socket address");
+        refused(&["--idempotency-wait", "0s"], "IDEMPOTENCY_WAIT");
+        refused(&["--idempotency-wait", "1m"], "IDEMPOTENCY_WAIT");
+        refused(&["--cleanup-interval", "0s"], "CLEANUP_INTERVAL");
+        refused(&["--batch-size", "0"], "batch-size");
+        refused(&["--conflict-status", "418"], "conflict-status");
+        refused(&["--orders-topic", "bad topic"], "topic names");
+        refused(&["--orders-topic", "payments"], "must differ");
+        refused(&["--database-max-connections", "0"], "database-max-connections");
     }
 }

@@ -16,18 +16,13 @@ pub struct TaskGroup {
 
 impl std::fmt::Debug for TaskGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TaskGroup")
-            .field("tasks", &self.tasks.len())
-            .finish()
+        f.debug_struct("TaskGroup").field("tasks", &self.tasks.len()).finish()
     }
 }
 
 impl TaskGroup {
     pub fn new(shutdown: CancellationToken) -> Self {
-        Self {
-            tasks: JoinSet::new(),
-            shutdown,
-        }
+        Self { tasks: JoinSet::new(), shutdown }
     }
 
     pub fn token(&self) -> CancellationToken {
@@ -65,25 +60,17 @@ impl TaskGroup {
             let Some(joined) = next else { break };
             let (name, result) = match joined {
                 Ok(r) => r,
-                Err(e) => (
-                    "task",
-                    Err(anyhow::anyhow!("task panicked or was aborted: {e}")),
-                ),
+                Err(e) => ("task", Err(anyhow::anyhow!("task panicked or was aborted: {e}"))),
             };
             match result {
                 Ok(()) if self.shutdown.is_cancelled() => tracing::info!(task = name, "stopped"),
                 Ok(()) => {
                     tracing::error!(task = name, "stopped unexpectedly; shutting down");
-                    first_error
-                        .get_or_insert_with(|| anyhow::anyhow!("{name} stopped unexpectedly"));
+                    first_error.get_or_insert_with(|| anyhow::anyhow!("{name} stopped unexpectedly"));
                     self.shutdown.cancel();
                 }
                 Err(e) => {
-                    tracing::error!(
-                        task = name,
-                        error = format!("{e:#}"),
-                        "failed; shutting down"
-                    );
+                    tracing::error!(task = name, error = format!("{e:#}"), "failed; shutting down");
                     first_error.get_or_insert(e.context(name));
                     self.shutdown.cancel();
                 }
@@ -110,10 +97,7 @@ mod tests {
             Ok(())
         });
         group.spawn("failer", async { Err(anyhow::anyhow!("boom")) });
-        let err = group
-            .wait(Duration::from_secs(5))
-            .await
-            .expect_err("the group fails");
+        let err = group.wait(Duration::from_secs(5)).await.expect_err("the group fails");
         assert!(format!("{err:#}").contains("boom"));
         assert!(token.is_cancelled());
     }

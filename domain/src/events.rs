@@ -32,9 +32,7 @@ impl EventId {
 
     /// Parses raw header bytes, which must be UTF-8.
     pub fn parse_bytes(bytes: &[u8]) -> Result<Self, EventIdError> {
-        std::str::from_utf8(bytes)
-            .map_err(|_| EventIdError::Malformed)
-            .and_then(Self::parse)
+        std::str::from_utf8(bytes).map_err(|_| EventIdError::Malformed).and_then(Self::parse)
     }
 
     pub fn as_uuid(&self) -> Uuid {
@@ -84,16 +82,11 @@ impl SagaStep {
             return Err(SagaStepError::InvalidSagaId);
         }
         let valid = (1..=100).contains(&step.len())
-            && step.bytes().all(|b| {
-                b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'_' | b'-' | b'.')
-            });
+            && step.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'_' | b'-' | b'.'));
         if !valid {
             return Err(SagaStepError::InvalidStep);
         }
-        Ok(Self {
-            saga_id,
-            step: step.to_owned(),
-        })
+        Ok(Self { saga_id, step: step.to_owned() })
     }
 
     pub fn saga_id(&self) -> Uuid {
@@ -120,39 +113,21 @@ mod tests {
 
     #[test]
     fn rejects_nil_other_versions_and_garbage() {
-        assert_eq!(
-            EventId::parse("00000000-0000-0000-0000-000000000000"),
-            Err(EventIdError::Nil)
-        );
-        assert_eq!(
-            EventId::parse("6ba7b810-9dad-11d1-80b4-00c04fd430c8"),
-            Err(EventIdError::UnsupportedVersion(1))
-        );
+        assert_eq!(EventId::parse("00000000-0000-0000-0000-000000000000"), Err(EventIdError::Nil));
+        assert_eq!(EventId::parse("6ba7b810-9dad-11d1-80b4-00c04fd430c8"), Err(EventIdError::UnsupportedVersion(1)));
         assert_eq!(EventId::parse("not-a-uuid"), Err(EventIdError::Malformed));
         assert_eq!(EventId::parse(""), Err(EventIdError::Malformed));
-        assert_eq!(
-            EventId::parse_bytes(&[0xff, 0xfe]),
-            Err(EventIdError::Malformed)
-        );
+        assert_eq!(EventId::parse_bytes(&[0xff, 0xfe]), Err(EventIdError::Malformed));
     }
 
     #[test]
     fn saga_steps() {
         let saga = Uuid::from_u128(0x0193_6f8e_7b2a_7c3d_8e4f_5a6b_7c8d_9e0f);
         assert!(SagaStep::new(saga, "refund-compensation").is_ok());
-        assert_eq!(
-            SagaStep::new(Uuid::nil(), "x"),
-            Err(SagaStepError::InvalidSagaId)
-        );
+        assert_eq!(SagaStep::new(Uuid::nil(), "x"), Err(SagaStepError::InvalidSagaId));
         assert_eq!(SagaStep::new(saga, ""), Err(SagaStepError::InvalidStep));
-        assert_eq!(
-            SagaStep::new(saga, "Refund"),
-            Err(SagaStepError::InvalidStep)
-        );
-        assert_eq!(
-            SagaStep::new(saga, &"a".repeat(101)),
-            Err(SagaStepError::InvalidStep)
-        );
+        assert_eq!(SagaStep::new(saga, "Refund"), Err(SagaStepError::InvalidStep));
+        assert_eq!(SagaStep::new(saga, &"a".repeat(101)), Err(SagaStepError::InvalidStep));
     }
 
     proptest! {

@@ -80,11 +80,7 @@ fn unquote_sf_string(rest: &str) -> Result<String, IdempotencyKeyError> {
                 _ => return Err(IdempotencyKeyError::MalformedString),
             },
             '"' => {
-                return if chars.next().is_none() {
-                    Ok(out)
-                } else {
-                    Err(IdempotencyKeyError::MalformedString)
-                };
+                return if chars.next().is_none() { Ok(out) } else { Err(IdempotencyKeyError::MalformedString) };
             }
             c if (' '..='~').contains(&c) => out.push(c),
             _ => return Err(IdempotencyKeyError::MalformedString),
@@ -235,22 +231,10 @@ mod tests {
         assert!(IdempotencyKey::parse("abc-123").is_ok());
         assert!(IdempotencyKey::parse(&"k".repeat(255)).is_ok());
         assert_eq!(IdempotencyKey::parse(""), Err(IdempotencyKeyError::Empty));
-        assert_eq!(
-            IdempotencyKey::parse(&"k".repeat(256)),
-            Err(IdempotencyKeyError::TooLong)
-        );
-        assert_eq!(
-            IdempotencyKey::parse("a b"),
-            Err(IdempotencyKeyError::InvalidCharacter)
-        );
-        assert_eq!(
-            IdempotencyKey::parse("a\u{7f}"),
-            Err(IdempotencyKeyError::InvalidCharacter)
-        );
-        assert_eq!(
-            IdempotencyKey::parse("ключ"),
-            Err(IdempotencyKeyError::InvalidCharacter)
-        );
+        assert_eq!(IdempotencyKey::parse(&"k".repeat(256)), Err(IdempotencyKeyError::TooLong));
+        assert_eq!(IdempotencyKey::parse("a b"), Err(IdempotencyKeyError::InvalidCharacter));
+        assert_eq!(IdempotencyKey::parse("a\u{7f}"), Err(IdempotencyKeyError::InvalidCharacter));
+        assert_eq!(IdempotencyKey::parse("ключ"), Err(IdempotencyKeyError::InvalidCharacter));
     }
 
     #[test]
@@ -258,63 +242,30 @@ mod tests {
         let bare = IdempotencyKey::from_header_value(b"abc-123");
         let quoted = IdempotencyKey::from_header_value(b"\"abc-123\"");
         assert_eq!(bare, quoted);
-        assert_eq!(
-            IdempotencyKey::from_header_value(br#""a\"b""#).map(|k| k.0),
-            Ok("a\"b".to_owned())
-        );
-        assert_eq!(
-            IdempotencyKey::from_header_value(b"\"abc"),
-            Err(IdempotencyKeyError::MalformedString)
-        );
-        assert_eq!(
-            IdempotencyKey::from_header_value(b"\"a\"b\""),
-            Err(IdempotencyKeyError::MalformedString)
-        );
-        assert_eq!(
-            IdempotencyKey::from_header_value(b"\"\""),
-            Err(IdempotencyKeyError::Empty)
-        );
-        assert_eq!(
-            IdempotencyKey::from_header_value(b"\"a b\""),
-            Err(IdempotencyKeyError::InvalidCharacter)
-        );
+        assert_eq!(IdempotencyKey::from_header_value(br#""a\"b""#).map(|k| k.0), Ok("a\"b".to_owned()));
+        assert_eq!(IdempotencyKey::from_header_value(b"\"abc"), Err(IdempotencyKeyError::MalformedString));
+        assert_eq!(IdempotencyKey::from_header_value(b"\"a\"b\""), Err(IdempotencyKeyError::MalformedString));
+        assert_eq!(IdempotencyKey::from_header_value(b"\"\""), Err(IdempotencyKeyError::Empty));
+        assert_eq!(IdempotencyKey::from_header_value(b"\"a b\""), Err(IdempotencyKeyError::InvalidCharacter));
     }
 
     #[test]
     fn reformatted_json_has_the_same_fingerprint() {
         let a = Fingerprint::of_request("POST", "/payments", br#"{"a":1,"b":{"y":2,"x":[1,2]}}"#);
-        let b = Fingerprint::of_request(
-            "post",
-            "/payments",
-            b"{\n  \"b\": { \"x\": [1, 2], \"y\": 2 },\n  \"a\": 1\n}",
-        );
+        let b =
+            Fingerprint::of_request("post", "/payments", b"{\n  \"b\": { \"x\": [1, 2], \"y\": 2 },\n  \"a\": 1\n}");
         assert_eq!(a, b);
     }
 
     #[test]
     fn method_route_and_body_change_the_fingerprint() {
         let base = Fingerprint::of_request("POST", "/payments", br#"{"a":1}"#);
-        assert_ne!(
-            base,
-            Fingerprint::of_request("PUT", "/payments", br#"{"a":1}"#)
-        );
-        assert_ne!(
-            base,
-            Fingerprint::of_request("POST", "/payments/x", br#"{"a":1}"#)
-        );
-        assert_ne!(
-            base,
-            Fingerprint::of_request("POST", "/payments", br#"{"a":2}"#)
-        );
-        assert_ne!(
-            base,
-            Fingerprint::of_request("POST", "/payments", br#"{"a":"1"}"#)
-        );
+        assert_ne!(base, Fingerprint::of_request("PUT", "/payments", br#"{"a":1}"#));
+        assert_ne!(base, Fingerprint::of_request("POST", "/payments/x", br#"{"a":1}"#));
+        assert_ne!(base, Fingerprint::of_request("POST", "/payments", br#"{"a":2}"#));
+        assert_ne!(base, Fingerprint::of_request("POST", "/payments", br#"{"a":"1"}"#));
         // route and body cannot bleed into each other
-        assert_ne!(
-            Fingerprint::of_request("POST", "/a", b"b"),
-            Fingerprint::of_request("POST", "/ab", b"")
-        );
+        assert_ne!(Fingerprint::of_request("POST", "/a", b"b"), Fingerprint::of_request("POST", "/ab", b""));
     }
 
     #[test]
@@ -324,9 +275,7 @@ mod tests {
         assert_eq!(decide(None, &fp, now()), Decision::Execute);
 
         let done = record(fp.0, IdempotencyState::Completed, 60);
-        assert!(
-            matches!(decide(Some(&done), &fp, now()), Decision::Replay(r) if r.status_code == 201)
-        );
+        assert!(matches!(decide(Some(&done), &fp, now()), Decision::Replay(r) if r.status_code == 201));
         assert_eq!(decide(Some(&done), &other, now()), Decision::Conflict);
 
         let running = record(fp.0, IdempotencyState::InFlight, 60);

@@ -15,9 +15,7 @@ pub const MAX_SCALE: u32 = 4;
 /// Why an amount or currency was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum MoneyError {
-    #[error(
-        "amount must be a decimal number written as digits with an optional fraction, like \"12.34\""
-    )]
+    #[error("amount must be a decimal number written as digits with an optional fraction, like \"12.34\"")]
     Malformed,
     #[error("amount must be greater than zero")]
     NotPositive,
@@ -104,27 +102,21 @@ pub struct Currency([u8; 3]);
 
 /// Active ISO 4217 alphabetic codes (list of 2024), plus the precious-metal and testing codes excluded.
 const ISO_4217: &[&str] = &[
-    "AED", "AFN", "ALL", "AMD", "ANG", "AOA", "ARS", "AUD", "AWG", "AZN", "BAM", "BBD", "BDT",
-    "BGN", "BHD", "BIF", "BMD", "BND", "BOB", "BRL", "BSD", "BTN", "BWP", "BYN", "BZD", "CAD",
-    "CDF", "CHF", "CLP", "CNY", "COP", "CRC", "CUP", "CVE", "CZK", "DJF", "DKK", "DOP", "DZD",
-    "EGP", "ERN", "ETB", "EUR", "FJD", "FKP", "GBP", "GEL", "GHS", "GIP", "GMD", "GNF", "GTQ",
-    "GYD", "HKD", "HNL", "HTG", "HUF", "IDR", "ILS", "INR", "IQD", "IRR", "ISK", "JMD", "JOD",
-    "JPY", "KES", "KGS", "KHR", "KMF", "KPW", "KRW", "KWD", "KYD", "KZT", "LAK", "LBP", "LKR",
-    "LRD", "LSL", "LYD", "MAD", "MDL", "MGA", "MKD", "MMK", "MNT", "MOP", "MRU", "MUR", "MVR",
-    "MWK", "MXN", "MYR", "MZN", "NAD", "NGN", "NIO", "NOK", "NPR", "NZD", "OMR", "PAB", "PEN",
-    "PGK", "PHP", "PKR", "PLN", "PYG", "QAR", "RON", "RSD", "RUB", "RWF", "SAR", "SBD", "SCR",
-    "SDG", "SEK", "SGD", "SHP", "SLE", "SOS", "SRD", "SSP", "STN", "SVC", "SYP", "SZL", "THB",
-    "TJS", "TMT", "TND", "TOP", "TRY", "TTD", "TWD", "TZS", "UAH", "UGX", "USD", "UYU", "UZS",
-    "VED", "VES", "VND", "VUV", "WST", "XAF", "XCD", "XCG", "XOF", "XPF", "YER", "ZAR", "ZMW",
-    "ZWG",
+    "AED", "AFN", "ALL", "AMD", "ANG", "AOA", "ARS", "AUD", "AWG", "AZN", "BAM", "BBD", "BDT", "BGN", "BHD", "BIF",
+    "BMD", "BND", "BOB", "BRL", "BSD", "BTN", "BWP", "BYN", "BZD", "CAD", "CDF", "CHF", "CLP", "CNY", "COP", "CRC",
+    "CUP", "CVE", "CZK", "DJF", "DKK", "DOP", "DZD", "EGP", "ERN", "ETB", "EUR", "FJD", "FKP", "GBP", "GEL", "GHS",
+    "GIP", "GMD", "GNF", "GTQ", "GYD", "HKD", "HNL", "HTG", "HUF", "IDR", "ILS", "INR", "IQD", "IRR", "ISK", "JMD",
+    "JOD", "JPY", "KES", "KGS", "KHR", "KMF", "KPW", "KRW", "KWD", "KYD", "KZT", "LAK", "LBP", "LKR", "LRD", "LSL",
+    "LYD", "MAD", "MDL", "MGA", "MKD", "MMK", "MNT", "MOP", "MRU", "MUR", "MVR", "MWK", "MXN", "MYR", "MZN", "NAD",
+    "NGN", "NIO", "NOK", "NPR", "NZD", "OMR", "PAB", "PEN", "PGK", "PHP", "PKR", "PLN", "PYG", "QAR", "RON", "RSD",
+    "RUB", "RWF", "SAR", "SBD", "SCR", "SDG", "SEK", "SGD", "SHP", "SLE", "SOS", "SRD", "SSP", "STN", "SVC", "SYP",
+    "SZL", "THB", "TJS", "TMT", "TND", "TOP", "TRY", "TTD", "TWD", "TZS", "UAH", "UGX", "USD", "UYU", "UZS", "VED",
+    "VES", "VND", "VUV", "WST", "XAF", "XCD", "XCG", "XOF", "XPF", "YER", "ZAR", "ZMW", "ZWG",
 ];
 
 impl Currency {
     pub fn parse(s: &str) -> Result<Self, MoneyError> {
-        let bytes: [u8; 3] = s
-            .as_bytes()
-            .try_into()
-            .map_err(|_| MoneyError::MalformedCurrency)?;
+        let bytes: [u8; 3] = s.as_bytes().try_into().map_err(|_| MoneyError::MalformedCurrency)?;
         if !bytes.iter().all(u8::is_ascii_uppercase) {
             return Err(MoneyError::MalformedCurrency);
         }
@@ -167,26 +159,11 @@ mod tests {
 
     #[test]
     fn parses_plain_amounts_to_scale_4() {
-        assert_eq!(
-            Amount::parse("12.34").map(|a| a.to_string()),
-            Ok("12.3400".into())
-        );
-        assert_eq!(
-            Amount::parse("12.3400").map(|a| a.to_string()),
-            Ok("12.3400".into())
-        );
-        assert_eq!(
-            Amount::parse("0.0001").map(|a| a.to_string()),
-            Ok("0.0001".into())
-        );
-        assert_eq!(
-            Amount::parse("999999999999999.9999").map(|a| a.to_string()),
-            Ok("999999999999999.9999".into())
-        );
-        assert_eq!(
-            Amount::parse("1.500000").map(|a| a.to_string()),
-            Ok("1.5000".into())
-        );
+        assert_eq!(Amount::parse("12.34").map(|a| a.to_string()), Ok("12.3400".into()));
+        assert_eq!(Amount::parse("12.3400").map(|a| a.to_string()), Ok("12.3400".into()));
+        assert_eq!(Amount::parse("0.0001").map(|a| a.to_string()), Ok("0.0001".into()));
+        assert_eq!(Amount::parse("999999999999999.9999").map(|a| a.to_string()), Ok("999999999999999.9999".into()));
+        assert_eq!(Amount::parse("1.500000").map(|a| a.to_string()), Ok("1.5000".into()));
     }
 
     #[test]
@@ -212,33 +189,18 @@ mod tests {
 
     #[test]
     fn decimal_conversion_applies_the_same_rules() {
-        assert_eq!(
-            Amount::try_from(Decimal::new(-5, 0)),
-            Err(MoneyError::NotPositive)
-        );
-        assert_eq!(
-            Amount::try_from(Decimal::new(1, 5)),
-            Err(MoneyError::TooPrecise)
-        );
-        assert_eq!(
-            Amount::try_from(Decimal::new(10_i64.pow(15), 0)),
-            Err(MoneyError::TooLarge)
-        );
+        assert_eq!(Amount::try_from(Decimal::new(-5, 0)), Err(MoneyError::NotPositive));
+        assert_eq!(Amount::try_from(Decimal::new(1, 5)), Err(MoneyError::TooPrecise));
+        assert_eq!(Amount::try_from(Decimal::new(10_i64.pow(15), 0)), Err(MoneyError::TooLarge));
     }
 
     #[test]
     fn currencies() {
-        assert_eq!(
-            Currency::parse("EUR").map(|c| c.to_string()),
-            Ok("EUR".into())
-        );
+        assert_eq!(Currency::parse("EUR").map(|c| c.to_string()), Ok("EUR".into()));
         assert_eq!(Currency::parse("eur"), Err(MoneyError::MalformedCurrency));
         assert_eq!(Currency::parse("EURO"), Err(MoneyError::MalformedCurrency));
         assert_eq!(Currency::parse("ÉUR"), Err(MoneyError::MalformedCurrency));
-        assert_eq!(
-            Currency::parse("ABC"),
-            Err(MoneyError::UnknownCurrency("ABC".into()))
-        );
+        assert_eq!(Currency::parse("ABC"), Err(MoneyError::UnknownCurrency("ABC".into())));
     }
 
     proptest! {

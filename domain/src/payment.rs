@@ -12,10 +12,7 @@ pub enum RefundRuleError {
     #[error("payment is {} and cannot be refunded", .0.as_str())]
     NotRefundable(PaymentStatus),
     #[error("refund of {requested} exceeds the {remaining} left to refund")]
-    ExceedsCaptured {
-        requested: Decimal,
-        remaining: Decimal,
-    },
+    ExceedsCaptured { requested: Decimal, remaining: Decimal },
 }
 
 /// The payment's state after a refund.
@@ -50,31 +47,19 @@ pub fn refundable(payment: &PaymentRecord) -> Decimal {
 
 /// Plans refunding `amount` of `payment`: the new refunded total and status, or why it is refused.
 pub fn plan_refund(payment: &PaymentRecord, amount: Amount) -> Result<RefundPlan, RefundRuleError> {
-    if !matches!(
-        payment.status,
-        PaymentStatus::Captured | PaymentStatus::PartiallyRefunded
-    ) {
+    if !matches!(payment.status, PaymentStatus::Captured | PaymentStatus::PartiallyRefunded) {
         return Err(RefundRuleError::NotRefundable(payment.status));
     }
     let remaining = refundable(payment);
     let requested = amount.value();
     if requested > remaining {
-        return Err(RefundRuleError::ExceedsCaptured {
-            requested,
-            remaining,
-        });
+        return Err(RefundRuleError::ExceedsCaptured { requested, remaining });
     }
     let refunded_amount = payment.refunded_amount + requested;
-    let status = if refunded_amount == payment.amount {
-        PaymentStatus::Refunded
-    } else {
-        PaymentStatus::PartiallyRefunded
-    };
+    let status =
+        if refunded_amount == payment.amount { PaymentStatus::Refunded } else { PaymentStatus::PartiallyRefunded };
     debug_assert!(can_transition(payment.status, status));
-    Ok(RefundPlan {
-        refunded_amount,
-        status,
-    })
+    Ok(RefundPlan { refunded_amount, status })
 }
 
 #[cfg(test)]
@@ -116,10 +101,7 @@ mod tests {
         assert_eq!(plan.refunded_amount, p.amount);
         p.status = plan.status;
         p.refunded_amount = plan.refunded_amount;
-        assert_eq!(
-            plan_refund(&p, amt("0.0001")),
-            Err(RefundRuleError::NotRefundable(PaymentStatus::Refunded))
-        );
+        assert_eq!(plan_refund(&p, amt("0.0001")), Err(RefundRuleError::NotRefundable(PaymentStatus::Refunded)));
     }
 
     #[test]
@@ -137,18 +119,9 @@ mod tests {
     fn pending_cannot_be_refunded_and_transitions_are_one_way() {
         let mut p = captured("1");
         p.status = PaymentStatus::Pending;
-        assert_eq!(
-            plan_refund(&p, amt("1")),
-            Err(RefundRuleError::NotRefundable(PaymentStatus::Pending))
-        );
-        assert!(!can_transition(
-            PaymentStatus::Refunded,
-            PaymentStatus::Captured
-        ));
-        assert!(!can_transition(
-            PaymentStatus::Captured,
-            PaymentStatus::Pending
-        ));
+        assert_eq!(plan_refund(&p, amt("1")), Err(RefundRuleError::NotRefundable(PaymentStatus::Pending)));
+        assert!(!can_transition(PaymentStatus::Refunded, PaymentStatus::Captured));
+        assert!(!can_transition(PaymentStatus::Captured, PaymentStatus::Pending));
     }
 
     proptest! {

@@ -34,25 +34,13 @@ pub async fn begin_step(
     step: &SagaStep,
     now: DateTime<Utc>,
 ) -> Result<StepStart, StoreError> {
-    Ok(
-        match uow
-            .saga_steps()
-            .claim(step.saga_id(), step.step(), now)
-            .await?
-        {
-            SagaStepClaim::Claimed => StepStart::Run,
-            SagaStepClaim::Done(outcome) => StepStart::Done(outcome),
-        },
-    )
+    Ok(match uow.saga_steps().claim(step.saga_id(), step.step(), now).await? {
+        SagaStepClaim::Claimed => StepStart::Run,
+        SagaStepClaim::Done(outcome) => StepStart::Done(outcome),
+    })
 }
 
 /// Records the outcome of a step claimed with [`begin_step`].
-pub async fn finish_step(
-    uow: &mut dyn UnitOfWork,
-    step: &SagaStep,
-    outcome: &Value,
-) -> Result<(), StoreError> {
-    uow.saga_steps()
-        .complete(step.saga_id(), step.step(), outcome)
-        .await
+pub async fn finish_step(uow: &mut dyn UnitOfWork, step: &SagaStep, outcome: &Value) -> Result<(), StoreError> {
+    uow.saga_steps().complete(step.saga_id(), step.step(), outcome).await
 }

@@ -26,11 +26,7 @@ pub struct TtlPolicy(Duration);
 
 impl TtlPolicy {
     pub fn new(ttl: Duration) -> Result<Self, TtlError> {
-        if (MIN_TTL..=MAX_TTL).contains(&ttl) {
-            Ok(Self(ttl))
-        } else {
-            Err(TtlError { got: ttl })
-        }
+        if (MIN_TTL..=MAX_TTL).contains(&ttl) { Ok(Self(ttl)) } else { Err(TtlError { got: ttl }) }
     }
 
     pub fn ttl(&self) -> Duration {

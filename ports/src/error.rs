@@ -28,10 +28,7 @@ pub enum StoreError {
 impl StoreError {
     /// Whether retrying the whole unit of work later can succeed.
     pub fn is_transient(&self) -> bool {
-        matches!(
-            self,
-            Self::Unavailable(_) | Self::Retryable(_) | Self::LockTimeout
-        )
+        matches!(self, Self::Unavailable(_) | Self::Retryable(_) | Self::LockTimeout)
     }
 }
 

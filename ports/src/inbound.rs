@@ -35,24 +35,14 @@ pub struct BatchError {
 pub trait EventHandler: Send + Sync {
     /// Applies one event that was not processed before by this consumer. Everything it writes goes
     /// through `uow`, so it commits with the processed-event row or not at all.
-    async fn handle(
-        &self,
-        uow: &mut dyn UnitOfWork,
-        event: &InboundEvent,
-    ) -> Result<(), HandlerError>;
+    async fn handle(&self, uow: &mut dyn UnitOfWork, event: &InboundEvent) -> Result<(), HandlerError>;
 
     /// Applies events in order, as [`EventHandler::handle`] would one by one (the default does exactly
     /// that). Handlers may override it with set-based statements; the effects MUST equal the sequential
     /// ones. On error the caller rolls the whole unit back.
-    async fn handle_batch(
-        &self,
-        uow: &mut dyn UnitOfWork,
-        events: &[&InboundEvent],
-    ) -> Result<(), BatchError> {
+    async fn handle_batch(&self, uow: &mut dyn UnitOfWork, events: &[&InboundEvent]) -> Result<(), BatchError> {
         for (index, event) in events.iter().enumerate() {
-            self.handle(uow, event)
-                .await
-                .map_err(|error| BatchError { index, error })?;
+            self.handle(uow, event).await.map_err(|error| BatchError { index, error })?;
         }
         Ok(())
     }

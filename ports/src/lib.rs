@@ -16,20 +16,18 @@ mod runtime;
 pub use error::{PublishError, StoreError};
 pub use inbound::{BatchError, EventHandler, HandlerError};
 pub use records::{
-    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyState, InboundEvent,
-    NewOutboxMessage, NewPayment, NewRefund, OrderVersion, OutboxRecord, PaymentInsert,
-    PaymentRecord, PaymentStatus, ProcessedEvent, RefundRecord, SagaStepClaim, StoredResponse,
+    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyState, InboundEvent, NewOutboxMessage, NewPayment,
+    NewRefund, OrderVersion, OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus, ProcessedEvent, RefundRecord,
+    SagaStepClaim, StoredResponse,
 };
 pub use repositories::{
-    IdempotencyRepository, OutboxRepository, OutboxWakeup, PaymentRepository,
-    ProcessedEventRepository, ProjectionRepository, SagaStepRepository, TransactionManager,
-    UnitOfWork,
+    IdempotencyRepository, OutboxRepository, OutboxWakeup, PaymentRepository, ProcessedEventRepository,
+    ProjectionRepository, SagaStepRepository, TransactionManager, UnitOfWork,
 };
 #[cfg(any(test, feature = "mocks"))]
 pub use repositories::{
-    MockIdempotencyRepository, MockOutboxRepository, MockPaymentRepository,
-    MockProcessedEventRepository, MockProjectionRepository, MockSagaStepRepository,
-    MockTransactionManager,
+    MockIdempotencyRepository, MockOutboxRepository, MockPaymentRepository, MockProcessedEventRepository,
+    MockProjectionRepository, MockSagaStepRepository, MockTransactionManager,
     fake::{Ended, MockUnitOfWork},
 };
 pub use runtime::{Clock, IdGenerator, SystemClock, UuidV7Generator};

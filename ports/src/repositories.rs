@@ -6,9 +6,8 @@ use uuid::Uuid;
 
 use crate::error::StoreError;
 use crate::records::{
-    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, NewOutboxMessage, NewPayment, NewRefund,
-    OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus, ProcessedEvent, RefundRecord,
-    SagaStepClaim, StoredResponse,
+    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, NewOutboxMessage, NewPayment, NewRefund, OutboxRecord,
+    PaymentInsert, PaymentRecord, PaymentStatus, ProcessedEvent, RefundRecord, SagaStepClaim, StoredResponse,
 };
 
 /// Begins units of work. One implementation per store; it is a cheap handle, shared by value.
@@ -64,10 +63,7 @@ pub trait PaymentRepository: Send {
     /// [`PaymentRepository::insert_or_get`] for many payments in one statement (plus one lookup for the
     /// duplicates). Returns one outcome per input, in input order. Two inputs with the same (provider,
     /// external_payment_id) yield `Inserted` for the first and `Existing` (that first row) for the second.
-    async fn insert_many_or_get(
-        &mut self,
-        payments: &[NewPayment],
-    ) -> Result<Vec<PaymentInsert>, StoreError>;
+    async fn insert_many_or_get(&mut self, payments: &[NewPayment]) -> Result<Vec<PaymentInsert>, StoreError>;
 
     /// The payment with this id, if any.
     async fn get(&mut self, id: Uuid) -> Result<Option<PaymentRecord>, StoreError>;
@@ -76,10 +72,7 @@ pub trait PaymentRepository: Send {
     async fn get_for_update(&mut self, id: Uuid) -> Result<Option<PaymentRecord>, StoreError>;
 
     /// The most recent payment of an order, locked for update until the unit ends.
-    async fn find_by_order_for_update(
-        &mut self,
-        order_id: Uuid,
-    ) -> Result<Option<PaymentRecord>, StoreError>;
+    async fn find_by_order_for_update(&mut self, order_id: Uuid) -> Result<Option<PaymentRecord>, StoreError>;
 
     /// Inserts a refund and sets the payment's refunded amount and status.
     async fn apply_refund(
@@ -109,19 +102,10 @@ pub trait IdempotencyRepository: Send {
     ) -> Result<ClaimOutcome, StoreError>;
 
     /// Stores the response of a claimed key and marks it completed.
-    async fn complete(
-        &mut self,
-        scope: &str,
-        key: &str,
-        response: &StoredResponse,
-    ) -> Result<(), StoreError>;
+    async fn complete(&mut self, scope: &str, key: &str, response: &StoredResponse) -> Result<(), StoreError>;
 
     /// The record for (scope, key), expired or not.
-    async fn get(
-        &mut self,
-        scope: &str,
-        key: &str,
-    ) -> Result<Option<IdempotencyRecord>, StoreError>;
+    async fn get(&mut self, scope: &str, key: &str) -> Result<Option<IdempotencyRecord>, StoreError>;
 }
 
 /// Events already processed, per consumer.
@@ -186,20 +170,10 @@ pub trait OutboxWakeup: Send {
 pub trait SagaStepRepository: Send {
     /// Claims (saga_id, step): [`SagaStepClaim::Claimed`] when it never ran, otherwise its recorded
     /// outcome. A concurrent claim of the same step waits for this unit to end.
-    async fn claim(
-        &mut self,
-        saga_id: Uuid,
-        step: &str,
-        now: DateTime<Utc>,
-    ) -> Result<SagaStepClaim, StoreError>;
+    async fn claim(&mut self, saga_id: Uuid, step: &str, now: DateTime<Utc>) -> Result<SagaStepClaim, StoreError>;
 
     /// Records the outcome of a claimed step.
-    async fn complete(
-        &mut self,
-        saga_id: Uuid,
-        step: &str,
-        outcome: &serde_json::Value,
-    ) -> Result<(), StoreError>;
+    async fn complete(&mut self, saga_id: Uuid, step: &str, outcome: &serde_json::Value) -> Result<(), StoreError>;
 }
 
 /// The order projection kept by the event handler.
@@ -280,17 +254,11 @@ pub mod fake {
             &mut self.projections
         }
         async fn commit(self: Box<Self>) -> Result<(), StoreError> {
-            *self
-                .ended
-                .lock()
-                .map_err(|e| StoreError::Other(e.to_string()))? = Ended::Committed;
+            *self.ended.lock().map_err(|e| StoreError::Other(e.to_string()))? = Ended::Committed;
             Ok(())
         }
         async fn rollback(self: Box<Self>) -> Result<(), StoreError> {
-            *self
-                .ended
-                .lock()
-                .map_err(|e| StoreError::Other(e.to_string()))? = Ended::RolledBack;
+            *self.ended.lock().map_err(|e| StoreError::Other(e.to_string()))? = Ended::RolledBack;
             Ok(())
         }
     }

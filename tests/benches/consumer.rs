@@ -11,7 +11,6 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -19,10 +18,7 @@ use common::env_or;
 use idem_domain::TtlPolicy;
 use idem_domain::usecases::OrderEventHandler;
 use idem_kafka::consumer::{Runner, RunnerSettings};
-use idem_ports::{
-    EventHandler, HandlerError, InboundEvent, ProcessedEvent, SystemClock, UnitOfWork,
-    UuidV7Generator,
-};
+use idem_ports::{EventHandler, HandlerError, InboundEvent, ProcessedEvent, SystemClock, UnitOfWork, UuidV7Generator};
 use idem_postgres::{PgStore, PoolSettings};
 use idem_tests::kafka::{create_topic, produce, producer, unique_topic};
 use serde_json::json;
@@ -45,27 +41,14 @@ struct SeedShape(OrderEventHandler);
 
 #[async_trait]
 impl EventHandler for SeedShape {
-    async fn handle(
-        &self,
-        uow: &mut dyn UnitOfWork,
-        event: &InboundEvent,
-    ) -> Result<(), HandlerError> {
-        if uow
-            .processed_events()
-            .is_processed(GROUP, event.event_id)
-            .await?
-        {
+    async fn handle(&self, uow: &mut dyn UnitOfWork, event: &InboundEvent) -> Result<(), HandlerError> {
+        if uow.processed_events().is_processed(GROUP, event.event_id).await? {
             return Ok(());
         }
         self.0.handle(uow, event).await?;
         let now = chrono::Utc::now();
-        let row = ProcessedEvent {
-            event_id: event.event_id,
-            topic: event.topic.clone(),
-        };
-        uow.processed_events()
-            .record_new(GROUP, &[row], now, now + chrono::Duration::hours(72))
-            .await?;
+        let row = ProcessedEvent { event_id: event.event_id, topic: event.topic.clone() };
+        uow.processed_events().record_new(GROUP, &[row], now, now + chrono::Duration::hours(72)).await?;
         Ok(())
     }
 }
@@ -74,17 +57,9 @@ async fn fresh_store(admin: &str) -> anyhow::Result<PgStore> {
     use sqlx::Connection;
     let name = "idem_bench_consumer";
     let mut conn = sqlx::PgConnection::connect(admin).await?;
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        .execute(&mut conn)
-        .await?;
-    sqlx::query(&format!("CREATE DATABASE {name}"))
-        .execute(&mut conn)
-        .await?;
-    let store = PgStore::connect(
-        &idem_tests::with_database(admin, name),
-        &PoolSettings::default(),
-    )
-    .await?;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut conn).await?;
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await?;
+    let store = PgStore::connect(&idem_tests::with_database(admin, name), &PoolSettings::default()).await?;
     store.migrate().await?;
     Ok(store)
 }
@@ -106,14 +81,7 @@ async fn fill_topic(brokers: &str, messages: usize) -> anyhow::Result<String> {
         let (p, topic) = (p.clone(), topic.clone());
         pending.push(tokio::spawn(async move {
             let id = Uuid::now_v7().to_string();
-            produce(
-                &p,
-                &topic,
-                Some(&order.to_string()),
-                payload.as_bytes(),
-                &[("event_id", id.as_bytes())],
-            )
-            .await
+            produce(&p, &topic, Some(&order.to_string()), payload.as_bytes(), &[("event_id", id.as_bytes())]).await
         }));
         if pending.len() >= 1000 || i + 1 == messages {
             for t in pending.drain(..) {
@@ -135,49 +103,29 @@ async fn measure(
 ) -> anyhow::Result<f64> {
     let store = fresh_store(admin).await?;
     let topic = fill_topic(brokers, messages).await?;
-    let mut settings = RunnerSettings::new(
-        brokers,
-        GROUP,
-        &topic,
-        TtlPolicy::new(Duration::from_secs(72 * 3600))?,
-    );
+    let mut settings = RunnerSettings::new(brokers, GROUP, &topic, TtlPolicy::new(Duration::from_secs(72 * 3600))?);
     settings.consumer.session_timeout = Duration::from_millis(6000);
     settings.batch_size = batch;
     settings.dedup = dedup;
-    let runner = Runner::new(
-        settings,
-        Arc::new(store.clone()),
-        Arc::new(SystemClock),
-        handler,
-    );
+    let runner = Runner::new(settings, Arc::new(store.clone()), Arc::new(SystemClock), handler);
     let stats = runner.stats();
     let stop = CancellationToken::new();
     let task = tokio::spawn(runner.run(stop.clone()));
     // the clock starts at the first message (group join time excluded)
-    while stats.received.load(Ordering::Relaxed) == 0 {
+    while stats.received.get() == 0 {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let start = Instant::now();
-    while (stats.processed.load(Ordering::Relaxed) + stats.duplicates.load(Ordering::Relaxed))
-        < messages as u64
-    {
+    while (stats.processed.get() + stats.duplicates.get()) < messages as u64 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let elapsed = start.elapsed();
     stop.cancel();
     let _ = task.await;
-    let payments: i64 = sqlx::query_scalar("SELECT count(*) FROM payment")
-        .fetch_one(store.pool())
-        .await?;
-    anyhow::ensure!(
-        payments == messages as i64,
-        "{name}: {payments} payments for {messages} messages"
-    );
+    let payments: i64 = sqlx::query_scalar("SELECT count(*) FROM payment").fetch_one(store.pool()).await?;
+    anyhow::ensure!(payments == messages as i64, "{name}: {payments} payments for {messages} messages");
     let rate = messages as f64 / elapsed.as_secs_f64();
-    println!(
-        "{name:<58} {messages:>8} {:>10.2} {rate:>12.0}",
-        elapsed.as_secs_f64()
-    );
+    println!("{name:<58} {messages:>8} {:>10.2} {rate:>12.0}", elapsed.as_secs_f64());
     Ok(rate)
 }
 
@@ -186,40 +134,18 @@ async fn main() -> anyhow::Result<()> {
     if std::env::args().any(|a| a == "--list" || a == "--test") {
         return Ok(());
     }
-    let admin = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let admin = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
     let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
     let many: usize = env_or("BENCH_MESSAGES", 20_000);
     let single: usize = env_or("BENCH_MESSAGES_SINGLE", 3_000);
     let batch: usize = env_or("BENCH_BATCH", 100);
-    println!(
-        "idem consumer benchmark: OrderPlaced events (charge = payment + outbox row + projection), 6 partitions"
-    );
-    println!(
-        "{:<58} {:>8} {:>10} {:>12}",
-        "mode", "messages", "seconds", "messages/s"
-    );
+    println!("idem consumer benchmark: OrderPlaced events (charge = payment + outbox row + projection), 6 partitions");
+    println!("{:<58} {:>8} {:>10} {:>12}", "mode", "messages", "seconds", "messages/s");
     let plain: Arc<dyn EventHandler> = Arc::new(order_handler());
-    let a = measure(
-        "(a) dedup consumer, batch size 1",
-        &admin,
-        &brokers,
-        single,
-        1,
-        true,
-        plain.clone(),
-    )
-    .await?;
-    let b = measure(
-        &format!("(b) dedup consumer, batch size {batch}"),
-        &admin,
-        &brokers,
-        many,
-        batch,
-        true,
-        plain.clone(),
-    )
-    .await?;
+    let a = measure("(a) dedup consumer, batch size 1", &admin, &brokers, single, 1, true, plain.clone()).await?;
+    let b =
+        measure(&format!("(b) dedup consumer, batch size {batch}"), &admin, &brokers, many, batch, true, plain.clone())
+            .await?;
     let c = measure(
         &format!("(c) baseline without dedup, batch size {batch}"),
         &admin,

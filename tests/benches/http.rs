@@ -27,9 +27,7 @@ struct Service {
 
 impl Drop for Service {
     fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
         let _ = self.child.wait();
     }
 }
@@ -46,13 +44,7 @@ async fn start_service(bin: &str, db_url: &str, port: u16, layer: &str) -> anyho
     let base = format!("http://127.0.0.1:{port}");
     let client = reqwest::Client::new();
     for _ in 0..200 {
-        if client
-            .get(format!("{base}/payments/{}", Uuid::nil()))
-            .bearer_auth(API_KEY)
-            .send()
-            .await
-            .is_ok()
-        {
+        if client.get(format!("{base}/payments/{}", Uuid::nil())).bearer_auth(API_KEY).send().await.is_ok() {
             return Ok(Service { child, base });
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -83,10 +75,7 @@ async fn phase<F>(
 where
     F: Fn(usize, usize) -> (String, String) + Send + Sync + 'static,
 {
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(concurrency)
-        .build()
-        .unwrap();
+    let client = reqwest::Client::builder().pool_max_idle_per_host(concurrency).build().unwrap();
     let make = Arc::new(make);
     let start = Instant::now();
     let deadline = start + duration;
@@ -131,21 +120,14 @@ where
         errors += e;
         sent.extend(s);
     }
-    (
-        Summary::from_latencies(name, all, errors, start.elapsed()),
-        sent,
-    )
+    (Summary::from_latencies(name, all, errors, start.elapsed()), sent)
 }
 
 async fn fresh_database(admin: &str, name: &str) -> anyhow::Result<String> {
     use sqlx::Connection;
     let mut conn = sqlx::PgConnection::connect(admin).await?;
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        .execute(&mut conn)
-        .await?;
-    sqlx::query(&format!("CREATE DATABASE {name}"))
-        .execute(&mut conn)
-        .await?;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut conn).await?;
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await?;
     Ok(idem_tests::with_database(admin, name))
 }
 
@@ -159,61 +141,38 @@ async fn main() -> anyhow::Result<()> {
     let duration = Duration::from_secs(seconds);
     let bin = std::env::var("IDEM_BIN")
         .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/release/idem").into());
-    let admin = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let admin = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
     let db = fresh_database(&admin, "idem_bench_http").await?;
-    println!(
-        "idem HTTP benchmark: {concurrency} concurrent clients, {seconds} s per phase, binary {bin}"
-    );
+    println!("idem HTTP benchmark: {concurrency} concurrent clients, {seconds} s per phase, binary {bin}");
 
     let mut rows = Vec::new();
     let (on, replays) = {
         let svc = start_service(&bin, &db, 18080, "on").await?;
-        let _ = phase(
-            "warm-up",
-            &svc.base,
-            concurrency,
-            Duration::from_secs(2),
-            |_, _| (Uuid::now_v7().to_string(), charge_body()),
-        )
+        let _ = phase("warm-up", &svc.base, concurrency, Duration::from_secs(2), |_, _| {
+            (Uuid::now_v7().to_string(), charge_body())
+        })
         .await;
-        let (on, sent) = phase(
-            "charge, idempotency layer on",
-            &svc.base,
-            concurrency,
-            duration,
-            |_, _| (Uuid::now_v7().to_string(), charge_body()),
-        )
+        let (on, sent) = phase("charge, idempotency layer on", &svc.base, concurrency, duration, |_, _| {
+            (Uuid::now_v7().to_string(), charge_body())
+        })
         .await;
         let sent = Arc::new(sent);
         let pick = sent.clone();
-        let (replay, _) = phase(
-            "replay of a stored key",
-            &svc.base,
-            concurrency,
-            duration,
-            move |w, i| pick[(w * 7919 + i) % pick.len()].clone(),
-        )
+        let (replay, _) = phase("replay of a stored key", &svc.base, concurrency, duration, move |w, i| {
+            pick[(w * 7919 + i) % pick.len()].clone()
+        })
         .await;
         (on, replay)
     };
     let off = {
         let svc = start_service(&bin, &db, 18081, "off").await?;
-        let _ = phase(
-            "warm-up",
-            &svc.base,
-            concurrency,
-            Duration::from_secs(2),
-            |_, _| (Uuid::now_v7().to_string(), charge_body()),
-        )
+        let _ = phase("warm-up", &svc.base, concurrency, Duration::from_secs(2), |_, _| {
+            (Uuid::now_v7().to_string(), charge_body())
+        })
         .await;
-        phase(
-            "charge, idempotency layer off",
-            &svc.base,
-            concurrency,
-            duration,
-            |_, _| (Uuid::now_v7().to_string(), charge_body()),
-        )
+        phase("charge, idempotency layer off", &svc.base, concurrency, duration, |_, _| {
+            (Uuid::now_v7().to_string(), charge_body())
+        })
         .await
         .0
     };
@@ -223,10 +182,7 @@ async fn main() -> anyhow::Result<()> {
     rows.push(off.clone());
     rows.push(replays.clone());
     print_table(&rows);
-    println!(
-        "{:<44} {:>10} {:>8} {:>12.0}",
-        "ceiling: same SQL transaction via pgbench", "-", "-", tps
-    );
+    println!("{:<44} {:>10} {:>8} {:>12.0}", "ceiling: same SQL transaction via pgbench", "-", "-", tps);
     println!();
     let cost = 1.0 - on.rate() / off.rate();
     println!(
@@ -234,10 +190,7 @@ async fn main() -> anyhow::Result<()> {
         on.rate() / off.rate(),
         cost * 100.0
     );
-    println!(
-        "layer on / pgbench ceiling    = {:.2}  (target >= 0.80)",
-        on.rate() / tps
-    );
+    println!("layer on / pgbench ceiling    = {:.2}  (target >= 0.80)", on.rate() / tps);
     println!(
         "replay speed-up (p50, rate)   = {:.1}x, {:.1}x  (target >= 2x)",
         on.p50.as_secs_f64() / replays.p50.as_secs_f64().max(1e-9),

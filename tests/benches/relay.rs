@@ -10,7 +10,6 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::env_or;
@@ -29,17 +28,9 @@ async fn fresh_store(admin: &str) -> anyhow::Result<PgStore> {
     use sqlx::Connection;
     let name = "idem_bench_relay";
     let mut conn = sqlx::PgConnection::connect(admin).await?;
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        .execute(&mut conn)
-        .await?;
-    sqlx::query(&format!("CREATE DATABASE {name}"))
-        .execute(&mut conn)
-        .await?;
-    let store = PgStore::connect(
-        &idem_tests::with_database(admin, name),
-        &PoolSettings::default(),
-    )
-    .await?;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut conn).await?;
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await?;
+    let store = PgStore::connect(&idem_tests::with_database(admin, name), &PoolSettings::default()).await?;
     store.migrate().await?;
     Ok(store)
 }
@@ -60,11 +51,9 @@ async fn fill(store: &PgStore, topic: &str, rows: i64) -> anyhow::Result<()> {
 }
 
 async fn unpublished(store: &PgStore) -> anyhow::Result<i64> {
-    Ok(
-        sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
-            .fetch_one(store.pool())
-            .await?,
-    )
+    Ok(sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
+        .fetch_one(store.pool())
+        .await?)
 }
 
 /// Ceiling 1: the broker's raw produce rate with the relay's producer settings.
@@ -93,12 +82,8 @@ async fn broker_ceiling(brokers: &str, topic: &str, messages: usize) -> anyhow::
 
 /// Ceiling 2: claim-and-mark transactions alone (no publishing) on the same rows.
 async fn claim_mark_ceiling(store: &PgStore, batch: i64) -> anyhow::Result<f64> {
-    sqlx::query("UPDATE outbox_message SET published_at = NULL, expires_at = NULL")
-        .execute(store.pool())
-        .await?;
-    sqlx::query("VACUUM ANALYZE outbox_message")
-        .execute(store.pool())
-        .await?;
+    sqlx::query("UPDATE outbox_message SET published_at = NULL, expires_at = NULL").execute(store.pool()).await?;
+    sqlx::query("VACUUM ANALYZE outbox_message").execute(store.pool()).await?;
     let total = unpublished(store).await?;
     let start = Instant::now();
     loop {
@@ -109,9 +94,7 @@ async fn claim_mark_ceiling(store: &PgStore, batch: i64) -> anyhow::Result<f64> 
         }
         let ids: Vec<_> = rows.iter().map(|r| r.id).collect();
         let now = chrono::Utc::now();
-        uow.outbox()
-            .mark_published(&ids, now, now + chrono::Duration::hours(24))
-            .await?;
+        uow.outbox().mark_published(&ids, now, now + chrono::Duration::hours(24)).await?;
         uow.commit().await?;
     }
     Ok(total as f64 / start.elapsed().as_secs_f64())
@@ -122,11 +105,7 @@ fn start_relay(
     brokers: &str,
     batch: i64,
     wakeup: PgOutboxWakeup,
-) -> (
-    CancellationToken,
-    tokio::task::JoinHandle<()>,
-    Arc<idem_kafka::relay::RelayStats>,
-) {
+) -> (CancellationToken, tokio::task::JoinHandle<()>, Arc<idem_kafka::relay::RelayStats>) {
     let mut settings = RelaySettings::new(brokers);
     settings.batch_size = batch;
     settings.poll_interval = Duration::from_millis(env_or("BENCH_POLL_MS", 1000));
@@ -146,8 +125,7 @@ async fn main() -> anyhow::Result<()> {
     if std::env::args().any(|a| a == "--list" || a == "--test") {
         return Ok(());
     }
-    let admin = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let admin = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
     let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
     let rows: i64 = env_or("BENCH_ROWS", 100_000);
     let rate: u64 = env_or("BENCH_RATE", 1_000);
@@ -156,19 +134,11 @@ async fn main() -> anyhow::Result<()> {
     let store = fresh_store(&admin).await?;
     let topic = unique_topic("bench-payments");
     create_topic(&brokers, &topic, 6).await?;
-    println!(
-        "idem relay benchmark: {rows} rows of ~{} bytes, 1,000 keys, 6 partitions, batch {batch}",
-        PAYLOAD.len()
-    );
+    println!("idem relay benchmark: {rows} rows of ~{} bytes, 1,000 keys, 6 partitions, batch {batch}", PAYLOAD.len());
 
     // Throughput: a backlog drained by one relay.
     fill(&store, &topic, rows).await?;
-    let (stop, task, stats) = start_relay(
-        &store,
-        &brokers,
-        batch,
-        PgOutboxWakeup::connect(store.pool()).await?,
-    );
+    let (stop, task, stats) = start_relay(&store, &brokers, batch, PgOutboxWakeup::connect(store.pool()).await?);
     let start = Instant::now();
     while unpublished(&store).await? > 0 {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -176,29 +146,17 @@ async fn main() -> anyhow::Result<()> {
     let relayed = rows as f64 / start.elapsed().as_secs_f64();
     stop.cancel();
     task.await?;
-    anyhow::ensure!(
-        stats.published.load(Ordering::Relaxed) == rows as u64,
-        "every row published once"
-    );
+    anyhow::ensure!(stats.published.get() == rows as u64, "every row published once");
 
     // Latency: a steady offered load, one row per transaction, relay idle between rows.
-    sqlx::query("DELETE FROM outbox_message")
-        .execute(store.pool())
-        .await?;
-    let (stop, task, _) = start_relay(
-        &store,
-        &brokers,
-        batch,
-        PgOutboxWakeup::connect(store.pool()).await?,
-    );
+    sqlx::query("DELETE FROM outbox_message").execute(store.pool()).await?;
+    let (stop, task, _) = start_relay(&store, &brokers, batch, PgOutboxWakeup::connect(store.pool()).await?);
     // warm-up: the new producer's first publish (connection, producer id, topic metadata) takes ~1 s
     fill(&store, &topic, 10).await?;
     while unpublished(&store).await? > 0 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    sqlx::query("DELETE FROM outbox_message")
-        .execute(store.pool())
-        .await?;
+    sqlx::query("DELETE FROM outbox_message").execute(store.pool()).await?;
     // 4 writers, each committing one row per transaction at rate/4
     let writers = 4u64;
     let interval = Duration::from_micros(1_000_000 * writers / rate.max(1));
@@ -248,21 +206,15 @@ async fn main() -> anyhow::Result<()> {
     // commit-to-publish: from the writer's commit acknowledgement to the relay's mark (after the broker
     // acknowledged the message)
     let published: std::collections::HashMap<uuid::Uuid, chrono::DateTime<chrono::Utc>> =
-        sqlx::query_as::<_, (uuid::Uuid, chrono::DateTime<chrono::Utc>)>(
-            "SELECT id, published_at FROM outbox_message",
-        )
-        .fetch_all(store.pool())
-        .await?
-        .into_iter()
-        .collect();
+        sqlx::query_as::<_, (uuid::Uuid, chrono::DateTime<chrono::Utc>)>("SELECT id, published_at FROM outbox_message")
+            .fetch_all(store.pool())
+            .await?
+            .into_iter()
+            .collect();
     let slow: Vec<(usize, u128)> = committed_at
         .iter()
         .enumerate()
-        .filter_map(|(i, (id, at))| {
-            published
-                .get(id)
-                .map(|p| (i, (*p - *at).num_milliseconds() as u128))
-        })
+        .filter_map(|(i, (id, at))| published.get(id).map(|p| (i, (*p - *at).num_milliseconds() as u128)))
         .filter(|(_, ms)| *ms > 200)
         .collect();
     if std::env::var_os("BENCH_DEBUG").is_some() {
@@ -270,45 +222,21 @@ async fn main() -> anyhow::Result<()> {
     }
     let latencies: Vec<Duration> = committed_at
         .iter()
-        .filter_map(|(id, at)| {
-            published
-                .get(id)
-                .map(|p| (*p - *at).to_std().unwrap_or(Duration::ZERO))
-        })
+        .filter_map(|(id, at)| published.get(id).map(|p| (*p - *at).to_std().unwrap_or(Duration::ZERO)))
         .collect();
-    let summary =
-        common::Summary::from_latencies("latency", latencies, 0, Duration::from_secs(seconds));
-    let (p50, p99) = (
-        summary.p50.as_secs_f64() * 1e3,
-        summary.p99.as_secs_f64() * 1e3,
-    );
+    let summary = common::Summary::from_latencies("latency", latencies, 0, Duration::from_secs(seconds));
+    let (p50, p99) = (summary.p50.as_secs_f64() * 1e3, summary.p99.as_secs_f64() * 1e3);
     let broker = broker_ceiling(&brokers, &topic, rows as usize).await?;
     let claim_mark = claim_mark_ceiling(&store, batch).await?;
     let lower = broker.min(claim_mark);
     println!("{:<62} {:>12}", "measure", "value");
-    println!(
-        "{:<62} {:>12.0}",
-        "relay throughput, backlog drained (messages/s)", relayed
-    );
-    println!(
-        "{:<62} {:>12.0}",
-        "ceiling: broker raw produce, same producer settings (msg/s)", broker
-    );
-    println!(
-        "{:<62} {:>12.0}",
-        "ceiling: claim-and-mark transactions alone (rows/s)", claim_mark
-    );
-    println!(
-        "{:<62} {:>12.1}",
-        &format!("commit-to-publish p50 at {rate} msg/s offered ({written} rows), ms"),
-        p50
-    );
+    println!("{:<62} {:>12.0}", "relay throughput, backlog drained (messages/s)", relayed);
+    println!("{:<62} {:>12.0}", "ceiling: broker raw produce, same producer settings (msg/s)", broker);
+    println!("{:<62} {:>12.0}", "ceiling: claim-and-mark transactions alone (rows/s)", claim_mark);
+    println!("{:<62} {:>12.1}", &format!("commit-to-publish p50 at {rate} msg/s offered ({written} rows), ms"), p50);
     println!("{:<62} {:>12.1}", "commit-to-publish p99, ms", p99);
     println!();
-    println!(
-        "relay / lower ceiling = {:.2}  (target >= 0.70)",
-        relayed / lower
-    );
+    println!("relay / lower ceiling = {:.2}  (target >= 0.70)", relayed / lower);
     println!("relay throughput      = {relayed:.0}/s  (target >= 15,000/s)");
     println!("p99 commit-to-publish = {p99:.1} ms  (target < 100 ms)");
     Ok(())

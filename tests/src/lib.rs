@@ -30,10 +30,7 @@ pub fn init_tracing() {
 }
 
 fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 /// URL of a server where the harness may create databases.
@@ -53,13 +50,10 @@ async fn admin_url() -> anyhow::Result<String> {
 
 /// Drops per-test databases left by runs that ended more than two hours ago.
 async fn drop_stale_databases(admin: &str) -> anyhow::Result<()> {
-    let mut conn = sqlx::PgConnection::connect(admin)
-        .await
-        .context("connecting to PostgreSQL")?;
-    let names: Vec<String> =
-        sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE 'idem\\_test\\_%'")
-            .fetch_all(&mut conn)
-            .await?;
+    let mut conn = sqlx::PgConnection::connect(admin).await.context("connecting to PostgreSQL")?;
+    let names: Vec<String> = sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE 'idem\\_test\\_%'")
+        .fetch_all(&mut conn)
+        .await?;
     let cutoff = unix_now().saturating_sub(2 * 3600);
     for name in names {
         let created = name
@@ -67,9 +61,7 @@ async fn drop_stale_databases(admin: &str) -> anyhow::Result<()> {
             .and_then(|rest| rest.split('_').next())
             .and_then(|secs| secs.parse::<u64>().ok());
         if created.is_some_and(|c| c < cutoff) {
-            let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
-                .execute(&mut conn)
-                .await;
+            let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)")).execute(&mut conn).await;
         }
     }
     Ok(())
@@ -91,15 +83,9 @@ impl TestDb {
     pub async fn with_pool(settings: PoolSettings) -> anyhow::Result<Self> {
         init_tracing();
         let admin = admin_url().await?;
-        let name = format!(
-            "{DB_PREFIX}{}_{}",
-            unix_now(),
-            uuid::Uuid::new_v4().simple()
-        );
+        let name = format!("{DB_PREFIX}{}_{}", unix_now(), uuid::Uuid::new_v4().simple());
         let mut conn = sqlx::PgConnection::connect(&admin).await?;
-        sqlx::query(&format!("CREATE DATABASE \"{name}\""))
-            .execute(&mut conn)
-            .await?;
+        sqlx::query(&format!("CREATE DATABASE \"{name}\"")).execute(&mut conn).await?;
         conn.close().await?;
         let url = with_database(&admin, &name);
         let store = PgStore::connect(&url, &settings).await?;
@@ -113,9 +99,7 @@ impl TestDb {
 
     /// Number of rows of a table (test-only, table names are literals of the tests).
     pub async fn count(&self, table: &str) -> anyhow::Result<i64> {
-        Ok(sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
-            .fetch_one(self.pool())
-            .await?)
+        Ok(sqlx::query_scalar(&format!("SELECT count(*) FROM {table}")).fetch_one(self.pool()).await?)
     }
 }
 
@@ -160,19 +144,13 @@ mod containers {
     static KAFKA: OnceCell<ContainerAsync<apache::Kafka>> = OnceCell::const_new();
 
     pub async fn postgres() -> anyhow::Result<String> {
-        let c = PG
-            .get_or_try_init(|| async { Postgres::default().start().await })
-            .await?;
+        let c = PG.get_or_try_init(|| async { Postgres::default().start().await }).await?;
         let port = c.get_host_port_ipv4(5432).await?;
-        Ok(format!(
-            "postgres://postgres:postgres@127.0.0.1:{port}/postgres"
-        ))
+        Ok(format!("postgres://postgres:postgres@127.0.0.1:{port}/postgres"))
     }
 
     pub async fn kafka() -> anyhow::Result<String> {
-        let c = KAFKA
-            .get_or_try_init(|| async { apache::Kafka::default().start().await })
-            .await?;
+        let c = KAFKA.get_or_try_init(|| async { apache::Kafka::default().start().await }).await?;
         let port = c.get_host_port_ipv4(apache::KAFKA_PORT).await?;
         Ok(format!("127.0.0.1:{port}"))
     }
@@ -196,14 +174,8 @@ mod tests {
 
     #[test]
     fn replaces_database_name() {
-        assert_eq!(
-            with_database("postgres://u@h:5432/postgres", "x"),
-            "postgres://u@h:5432/x"
-        );
+        assert_eq!(with_database("postgres://u@h:5432/postgres", "x"), "postgres://u@h:5432/x");
         assert_eq!(with_database("postgres://u@h", "x"), "postgres://u@h/x");
-        assert_eq!(
-            with_database("postgres://u@h/db?sslmode=disable", "x"),
-            "postgres://u@h/x?sslmode=disable"
-        );
+        assert_eq!(with_database("postgres://u@h/db?sslmode=disable", "x"), "postgres://u@h/x?sslmode=disable");
     }
 }

@@ -1,7 +1,4 @@
-use idem_ports::{
-    NewOutboxMessage, NewPayment, PaymentInsert, PaymentRecord, PaymentStatus, StoreError,
-    UnitOfWork,
-};
+use idem_ports::{NewOutboxMessage, NewPayment, PaymentInsert, PaymentRecord, PaymentStatus, StoreError, UnitOfWork};
 use serde_json::json;
 use thiserror::Error;
 use uuid::Uuid;
@@ -33,10 +30,7 @@ pub struct ChargeCommand {
 
 fn reference(field: &'static str, value: &str, max: usize) -> Result<String, InvalidField> {
     if value.is_empty() || value.len() > max {
-        return Err(InvalidField {
-            field,
-            reason: format!("must be 1 to {max} characters"),
-        });
+        return Err(InvalidField { field, reason: format!("must be 1 to {max} characters") });
     }
     if !value.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
         return Err(InvalidField {
@@ -58,14 +52,7 @@ impl ChargeCommand {
         money: Money,
     ) -> Result<Self, InvalidField> {
         let non_nil = |field, id: Uuid| {
-            if id.is_nil() {
-                Err(InvalidField {
-                    field,
-                    reason: "must not be the nil UUID".into(),
-                })
-            } else {
-                Ok(id)
-            }
+            if id.is_nil() { Err(InvalidField { field, reason: "must not be the nil UUID".into() }) } else { Ok(id) }
         };
         Ok(Self {
             merchant_id: reference("merchant_id", merchant_id, 64)?,
@@ -142,15 +129,10 @@ pub async fn charge_payment(
     cmd: &ChargeCommand,
 ) -> Result<ChargeOutcome, ChargeError> {
     let now = env.clock.now();
-    let insert = uow
-        .payments()
-        .insert_or_get(&new_payment(env, cmd, now))
-        .await?;
+    let insert = uow.payments().insert_or_get(&new_payment(env, cmd, now)).await?;
     let outcome = classify(cmd, insert)?;
     if let ChargeOutcome::Created(payment) = &outcome {
-        uow.outbox()
-            .enqueue(&captured_message(env, cmd, payment, now))
-            .await?;
+        uow.outbox().enqueue(&captured_message(env, cmd, payment, now)).await?;
     }
     Ok(outcome)
 }
@@ -166,11 +148,7 @@ pub async fn charge_payments(
     let now = env.clock.now();
     let new: Vec<NewPayment> = cmds.iter().map(|c| new_payment(env, c, now)).collect();
     let inserts = uow.payments().insert_many_or_get(&new).await?;
-    let outcomes: Vec<_> = cmds
-        .iter()
-        .zip(inserts)
-        .map(|(cmd, insert)| classify(cmd, insert))
-        .collect();
+    let outcomes: Vec<_> = cmds.iter().zip(inserts).map(|(cmd, insert)| classify(cmd, insert)).collect();
     let messages: Vec<NewOutboxMessage> = cmds
         .iter()
         .zip(&outcomes)
@@ -183,11 +161,7 @@ pub async fn charge_payments(
     Ok(outcomes)
 }
 
-fn new_payment(
-    env: Env<'_>,
-    cmd: &ChargeCommand,
-    now: chrono::DateTime<chrono::Utc>,
-) -> NewPayment {
+fn new_payment(env: Env<'_>, cmd: &ChargeCommand, now: chrono::DateTime<chrono::Utc>) -> NewPayment {
     NewPayment {
         id: env.ids.new_id(),
         merchant_id: cmd.merchant_id.clone(),
@@ -204,12 +178,8 @@ fn new_payment(
 
 fn classify(cmd: &ChargeCommand, insert: PaymentInsert) -> Result<ChargeOutcome, ChargeError> {
     match insert {
-        PaymentInsert::Existing(existing) if cmd.matches(&existing) => {
-            Ok(ChargeOutcome::AlreadyCharged(existing))
-        }
-        PaymentInsert::Existing(existing) => Err(ChargeError::DetailsDiffer {
-            existing: existing.id,
-        }),
+        PaymentInsert::Existing(existing) if cmd.matches(&existing) => Ok(ChargeOutcome::AlreadyCharged(existing)),
+        PaymentInsert::Existing(existing) => Err(ChargeError::DetailsDiffer { existing: existing.id }),
         PaymentInsert::Inserted(payment) => Ok(ChargeOutcome::Created(payment)),
     }
 }
@@ -260,10 +230,8 @@ mod tests {
     }
 
     fn cmd(amount: &str) -> ChargeCommand {
-        let money = Money {
-            amount: Amount::parse(amount).expect("valid"),
-            currency: Currency::parse("EUR").expect("valid"),
-        };
+        let money =
+            Money { amount: Amount::parse(amount).expect("valid"), currency: Currency::parse("EUR").expect("valid") };
         ChargeCommand::new("merchant_a", ORDER, CUSTOMER, "stripe", "pi_1", money).expect("valid")
     }
 
@@ -301,11 +269,7 @@ mod tests {
         let mut uow = MockUnitOfWork::default();
         uow.payments
             .expect_insert_or_get()
-            .withf(|p| {
-                p.provider == "stripe"
-                    && p.amount == Decimal::new(10_5000, 4)
-                    && p.created_at == now()
-            })
+            .withf(|p| p.provider == "stripe" && p.amount == Decimal::new(10_5000, 4) && p.created_at == now())
             .times(1)
             .returning(|p| Ok(PaymentInsert::Inserted(stored(p))));
         uow.outbox
@@ -318,13 +282,8 @@ mod tests {
             })
             .times(1)
             .returning(|_| Ok(()));
-        let env = Env {
-            clock: &clock,
-            ids: &ids,
-            payments_topic: "payments",
-        };
-        let out = futures::executor::block_on(charge_payment(&mut uow, env, &cmd("10.5")))
-            .expect("charged");
+        let env = Env { clock: &clock, ids: &ids, payments_topic: "payments" };
+        let out = futures::executor::block_on(charge_payment(&mut uow, env, &cmd("10.5"))).expect("charged");
         assert!(matches!(out, ChargeOutcome::Created(p) if p.order_id == ORDER));
     }
 
@@ -339,13 +298,8 @@ mod tests {
             Ok(PaymentInsert::Existing(rec))
         });
         uow.outbox.expect_enqueue().never();
-        let env = Env {
-            clock: &clock,
-            ids: &ids,
-            payments_topic: "payments",
-        };
-        let out = futures::executor::block_on(charge_payment(&mut uow, env, &cmd("10.5")))
-            .expect("charged");
+        let env = Env { clock: &clock, ids: &ids, payments_topic: "payments" };
+        let out = futures::executor::block_on(charge_payment(&mut uow, env, &cmd("10.5"))).expect("charged");
         assert_eq!(out, ChargeOutcome::AlreadyCharged(out.payment().clone()));
         assert_eq!(out.payment().id, existing_id);
     }
@@ -360,13 +314,8 @@ mod tests {
             Ok(PaymentInsert::Existing(rec))
         });
         uow.outbox.expect_enqueue().never();
-        let env = Env {
-            clock: &clock,
-            ids: &ids,
-            payments_topic: "payments",
-        };
-        let err = futures::executor::block_on(charge_payment(&mut uow, env, &cmd("10.5")))
-            .expect_err("conflict");
+        let env = Env { clock: &clock, ids: &ids, payments_topic: "payments" };
+        let err = futures::executor::block_on(charge_payment(&mut uow, env, &cmd("10.5"))).expect_err("conflict");
         assert!(matches!(err, ChargeError::DetailsDiffer { .. }));
     }
 
@@ -374,31 +323,18 @@ mod tests {
     fn store_errors_propagate() {
         let (clock, ids) = runtime();
         let mut uow = MockUnitOfWork::default();
-        uow.payments
-            .expect_insert_or_get()
-            .with(always())
-            .returning(|_| Err(StoreError::Unavailable("down".into())));
-        let env = Env {
-            clock: &clock,
-            ids: &ids,
-            payments_topic: "payments",
-        };
-        let err = futures::executor::block_on(charge_payment(&mut uow, env, &cmd("1")))
-            .expect_err("store down");
-        assert!(matches!(
-            err,
-            ChargeError::Store(StoreError::Unavailable(_))
-        ));
+        uow.payments.expect_insert_or_get().with(always()).returning(|_| Err(StoreError::Unavailable("down".into())));
+        let env = Env { clock: &clock, ids: &ids, payments_topic: "payments" };
+        let err = futures::executor::block_on(charge_payment(&mut uow, env, &cmd("1"))).expect_err("store down");
+        assert!(matches!(err, ChargeError::Store(StoreError::Unavailable(_))));
     }
 
     #[test]
     fn command_validation_names_the_field() {
         let money = cmd("1").money;
-        let bad =
-            ChargeCommand::new("m", ORDER, CUSTOMER, "", "x", money).expect_err("empty provider");
+        let bad = ChargeCommand::new("m", ORDER, CUSTOMER, "", "x", money).expect_err("empty provider");
         assert_eq!(bad.field, "provider");
-        let bad =
-            ChargeCommand::new("m", Uuid::nil(), CUSTOMER, "p", "x", money).expect_err("nil order");
+        let bad = ChargeCommand::new("m", Uuid::nil(), CUSTOMER, "p", "x", money).expect_err("nil order");
         assert_eq!(bad.field, "order_id");
         let bad = ChargeCommand::new("m", ORDER, CUSTOMER, "p", "a b", money).expect_err("space");
         assert_eq!(bad.field, "external_payment_id");

@@ -5,9 +5,7 @@ mod charge;
 mod order_events;
 mod refund;
 
-pub use charge::{
-    ChargeCommand, ChargeError, ChargeOutcome, InvalidField, charge_payment, charge_payments,
-};
+pub use charge::{ChargeCommand, ChargeError, ChargeOutcome, InvalidField, charge_payment, charge_payments};
 pub use order_events::{OrderEventHandler, REFUND_STEP};
 pub use refund::{RefundCommand, RefundError, refund_payment};
 
@@ -24,8 +22,6 @@ pub struct Env<'a> {
 
 impl std::fmt::Debug for Env<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Env")
-            .field("payments_topic", &self.payments_topic)
-            .finish_non_exhaustive()
+        f.debug_struct("Env").field("payments_topic", &self.payments_topic).finish_non_exhaustive()
     }
 }

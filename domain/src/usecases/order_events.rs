@@ -4,16 +4,13 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use idem_ports::{
-    BatchError, Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, UnitOfWork,
-};
+use idem_ports::{BatchError, Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, UnitOfWork};
 use serde::Deserialize;
 use serde_json::json;
 use uuid::Uuid;
 
 use super::{
-    ChargeCommand, ChargeError, Env, RefundCommand, RefundError, charge_payment, charge_payments,
-    refund_payment,
+    ChargeCommand, ChargeError, Env, RefundCommand, RefundError, charge_payment, charge_payments, refund_payment,
 };
 use crate::events::SagaStep;
 use crate::money::{Amount, Currency, Money, format_amount};
@@ -53,9 +50,7 @@ pub struct OrderEventHandler {
 
 impl std::fmt::Debug for OrderEventHandler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("OrderEventHandler")
-            .field("merchant_id", &self.merchant_id)
-            .finish_non_exhaustive()
+        f.debug_struct("OrderEventHandler").field("merchant_id", &self.merchant_id).finish_non_exhaustive()
     }
 }
 
@@ -65,11 +60,7 @@ fn malformed(e: impl std::fmt::Display) -> HandlerError {
 
 impl OrderEventHandler {
     fn env(&self) -> Env<'_> {
-        Env {
-            clock: &*self.clock,
-            ids: &*self.ids,
-            payments_topic: &self.payments_topic,
-        }
+        Env { clock: &*self.clock, ids: &*self.ids, payments_topic: &self.payments_topic }
     }
 }
 
@@ -99,10 +90,9 @@ impl OrderEventHandler {
     fn parse(&self, event: &InboundEvent) -> Result<Parsed, HandlerError> {
         let body: OrderEvent = serde_json::from_slice(&event.payload).map_err(malformed)?;
         let (order_id, version) = match &body {
-            OrderEvent::OrderPlaced {
-                order_id, version, ..
+            OrderEvent::OrderPlaced { order_id, version, .. } | OrderEvent::OrderCancelled { order_id, version } => {
+                (*order_id, *version)
             }
-            | OrderEvent::OrderCancelled { order_id, version } => (*order_id, *version),
         };
         if let Some(key) = &event.key
             && key.as_slice() != order_id.to_string().as_bytes()
@@ -113,14 +103,7 @@ impl OrderEventHandler {
             return Err(malformed("version must not be negative"));
         }
         let action = match body {
-            OrderEvent::OrderPlaced {
-                customer_id,
-                amount,
-                currency,
-                provider,
-                external_payment_id,
-                ..
-            } => {
+            OrderEvent::OrderPlaced { customer_id, amount, currency, provider, external_payment_id, .. } => {
                 let money = Money {
                     amount: Amount::parse(&amount).map_err(malformed)?,
                     currency: Currency::parse(&currency).map_err(malformed)?,
@@ -140,27 +123,17 @@ impl OrderEventHandler {
                 Action::Charge(cmd)
             }
             OrderEvent::OrderCancelled { .. } => {
-                let saga_id = event
-                    .saga_id
-                    .ok_or_else(|| malformed("OrderCancelled needs a saga_id header"))?;
+                let saga_id = event.saga_id.ok_or_else(|| malformed("OrderCancelled needs a saga_id header"))?;
                 Action::Compensate(SagaStep::new(saga_id, REFUND_STEP).map_err(malformed)?)
             }
         };
-        Ok(Parsed {
-            order_id,
-            version,
-            action,
-        })
+        Ok(Parsed { order_id, version, action })
     }
 
     async fn apply(&self, uow: &mut dyn UnitOfWork, event: Parsed) -> Result<(), HandlerError> {
         // Older or repeated versions are skipped: the projection never moves backwards or twice.
         let now = self.clock.now();
-        if !uow
-            .projections()
-            .apply_order_version(event.order_id, event.version, event.status(), now)
-            .await?
-        {
+        if !uow.projections().apply_order_version(event.order_id, event.version, event.status(), now).await? {
             return Ok(());
         }
         match event.action {
@@ -191,11 +164,7 @@ fn charge_failure(e: ChargeError) -> HandlerError {
 
 #[async_trait]
 impl EventHandler for OrderEventHandler {
-    async fn handle(
-        &self,
-        uow: &mut dyn UnitOfWork,
-        event: &InboundEvent,
-    ) -> Result<(), HandlerError> {
+    async fn handle(&self, uow: &mut dyn UnitOfWork, event: &InboundEvent) -> Result<(), HandlerError> {
         let parsed = self.parse(event)?;
         self.apply(uow, parsed).await
     }
@@ -203,44 +172,25 @@ impl EventHandler for OrderEventHandler {
     /// Set-based when every event is an `OrderPlaced` of a distinct order (the common case): one statement
     /// for the projection, one for the payments, one for the announcements. Anything else (an order twice
     /// in the batch, a cancellation) runs event by event.
-    async fn handle_batch(
-        &self,
-        uow: &mut dyn UnitOfWork,
-        events: &[&InboundEvent],
-    ) -> Result<(), BatchError> {
+    async fn handle_batch(&self, uow: &mut dyn UnitOfWork, events: &[&InboundEvent]) -> Result<(), BatchError> {
         let mut parsed = Vec::with_capacity(events.len());
         for (index, event) in events.iter().enumerate() {
-            parsed.push(
-                self.parse(event)
-                    .map_err(|error| BatchError { index, error })?,
-            );
+            parsed.push(self.parse(event).map_err(|error| BatchError { index, error })?);
         }
         let orders: std::collections::HashSet<Uuid> = parsed.iter().map(|p| p.order_id).collect();
         let all_charges = parsed.iter().all(|p| matches!(p.action, Action::Charge(_)));
         if events.len() == 1 || orders.len() != parsed.len() || !all_charges {
             for (index, p) in parsed.into_iter().enumerate() {
-                self.apply(uow, p)
-                    .await
-                    .map_err(|error| BatchError { index, error })?;
+                self.apply(uow, p).await.map_err(|error| BatchError { index, error })?;
             }
             return Ok(());
         }
-        let store = |error: idem_ports::StoreError| BatchError {
-            index: 0,
-            error: error.into(),
-        };
+        let store = |error: idem_ports::StoreError| BatchError { index: 0, error: error.into() };
         let now = self.clock.now();
-        let versions: Vec<(Uuid, i64, String)> = parsed
-            .iter()
-            .map(|p| (p.order_id, p.version, p.status().to_owned()))
-            .collect();
-        let applied: std::collections::HashSet<Uuid> = uow
-            .projections()
-            .apply_order_versions(&versions, now)
-            .await
-            .map_err(store)?
-            .into_iter()
-            .collect();
+        let versions: Vec<(Uuid, i64, String)> =
+            parsed.iter().map(|p| (p.order_id, p.version, p.status().to_owned())).collect();
+        let applied: std::collections::HashSet<Uuid> =
+            uow.projections().apply_order_versions(&versions, now).await.map_err(store)?.into_iter().collect();
         let charges: Vec<(usize, &ChargeCommand)> = parsed
             .iter()
             .enumerate()
@@ -251,15 +201,10 @@ impl EventHandler for OrderEventHandler {
             })
             .collect();
         let cmds: Vec<&ChargeCommand> = charges.iter().map(|(_, c)| *c).collect();
-        let outcomes = charge_payments(uow, self.env(), &cmds)
-            .await
-            .map_err(store)?;
+        let outcomes = charge_payments(uow, self.env(), &cmds).await.map_err(store)?;
         for ((index, _), outcome) in charges.iter().zip(outcomes) {
             if let Err(e) = outcome {
-                return Err(BatchError {
-                    index: *index,
-                    error: charge_failure(e),
-                });
+                return Err(BatchError { index: *index, error: charge_failure(e) });
             }
         }
         Ok(())
@@ -289,9 +234,9 @@ impl OrderEventHandler {
             traceparent: None,
         };
         match refund_payment(uow, self.env(), &cmd).await {
-            Ok((refund, _)) => Ok(
-                json!({ "refund_id": refund.id, "payment_id": payment.id, "amount": format_amount(refund.amount) }),
-            ),
+            Ok((refund, _)) => {
+                Ok(json!({ "refund_id": refund.id, "payment_id": payment.id, "amount": format_amount(refund.amount) }))
+            }
             Err(RefundError::Store(e)) => Err(e.into()),
             Err(e) => Err(HandlerError::Rejected(e.to_string())),
         }

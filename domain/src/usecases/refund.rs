@@ -1,6 +1,4 @@
-use idem_ports::{
-    NewOutboxMessage, NewRefund, PaymentRecord, RefundRecord, StoreError, UnitOfWork,
-};
+use idem_ports::{NewOutboxMessage, NewRefund, PaymentRecord, RefundRecord, StoreError, UnitOfWork};
 use serde_json::json;
 use thiserror::Error;
 use uuid::Uuid;
@@ -56,10 +54,7 @@ pub async fn refund_payment(
         reason: cmd.reason.clone(),
         created_at: now,
     };
-    let record = uow
-        .payments()
-        .apply_refund(&refund, plan.refunded_amount, plan.status)
-        .await?;
+    let record = uow.payments().apply_refund(&refund, plan.refunded_amount, plan.status).await?;
     let message = NewOutboxMessage {
         id: env.ids.new_id(),
         topic: env.payments_topic.to_owned(),
@@ -81,11 +76,7 @@ pub async fn refund_payment(
         created_at: now,
     };
     uow.outbox().enqueue(&message).await?;
-    let updated = PaymentRecord {
-        refunded_amount: plan.refunded_amount,
-        status: plan.status,
-        ..payment
-    };
+    let updated = PaymentRecord { refunded_amount: plan.refunded_amount, status: plan.status, ..payment };
     Ok((record, updated))
 }
 
@@ -120,12 +111,9 @@ mod tests {
         amount: &str,
     ) -> Result<(RefundRecord, PaymentRecord), RefundError> {
         let mut clock = MockClock::new();
-        clock
-            .expect_now()
-            .return_const(DateTime::from_timestamp(10, 0).expect("valid"));
+        clock.expect_now().return_const(DateTime::from_timestamp(10, 0).expect("valid"));
         let mut ids = MockIdGenerator::new();
-        ids.expect_new_id()
-            .returning(|| Uuid::from_u128(0x0193_0000_0000_7000_8000_0000_0000_1111));
+        ids.expect_new_id().returning(|| Uuid::from_u128(0x0193_0000_0000_7000_8000_0000_0000_1111));
         let cmd = RefundCommand {
             merchant_id: Some(merchant.into()),
             payment_id: PAYMENT,
@@ -134,20 +122,14 @@ mod tests {
             saga_id: None,
             traceparent: None,
         };
-        let env = Env {
-            clock: &clock,
-            ids: &ids,
-            payments_topic: "payments",
-        };
+        let env = Env { clock: &clock, ids: &ids, payments_topic: "payments" };
         futures::executor::block_on(refund_payment(uow, env, &cmd))
     }
 
     #[test]
     fn refund_updates_payment_and_announces() {
         let mut uow = MockUnitOfWork::default();
-        uow.payments
-            .expect_get_for_update()
-            .returning(|_| Ok(Some(payment("a"))));
+        uow.payments.expect_get_for_update().returning(|_| Ok(Some(payment("a"))));
         uow.payments
             .expect_apply_refund()
             .withf(|r, total, status| {
@@ -165,11 +147,7 @@ mod tests {
                     created_at: r.created_at,
                 })
             });
-        uow.outbox
-            .expect_enqueue()
-            .withf(|m| m.event_type == "PaymentRefunded")
-            .times(1)
-            .returning(|_| Ok(()));
+        uow.outbox.expect_enqueue().withf(|m| m.event_type == "PaymentRefunded").times(1).returning(|_| Ok(()));
         let (_, updated) = run(&mut uow, "a", "40").expect("refunded");
         assert_eq!(updated.status, PaymentStatus::PartiallyRefunded);
     }
@@ -177,22 +155,15 @@ mod tests {
     #[test]
     fn another_merchants_payment_is_not_found() {
         let mut uow = MockUnitOfWork::default();
-        uow.payments
-            .expect_get_for_update()
-            .returning(|_| Ok(Some(payment("a"))));
+        uow.payments.expect_get_for_update().returning(|_| Ok(Some(payment("a"))));
         uow.payments.expect_apply_refund().never();
-        assert!(matches!(
-            run(&mut uow, "b", "1"),
-            Err(RefundError::NotFound)
-        ));
+        assert!(matches!(run(&mut uow, "b", "1"), Err(RefundError::NotFound)));
     }
 
     #[test]
     fn over_refund_is_refused_before_writing() {
         let mut uow = MockUnitOfWork::default();
-        uow.payments
-            .expect_get_for_update()
-            .returning(|_| Ok(Some(payment("a"))));
+        uow.payments.expect_get_for_update().returning(|_| Ok(Some(payment("a"))));
         uow.payments.expect_apply_refund().never();
         uow.outbox.expect_enqueue().never();
         assert!(matches!(

@@ -16,12 +16,7 @@ pub struct Summary {
 }
 
 impl Summary {
-    pub fn from_latencies(
-        name: &str,
-        mut latencies: Vec<Duration>,
-        errors: usize,
-        elapsed: Duration,
-    ) -> Self {
+    pub fn from_latencies(name: &str, mut latencies: Vec<Duration>, errors: usize, elapsed: Duration) -> Self {
         latencies.sort_unstable();
         let pick = |q: f64| {
             if latencies.is_empty() {
@@ -31,14 +26,7 @@ impl Summary {
                 latencies[idx.min(latencies.len() - 1)]
             }
         };
-        Self {
-            name: name.to_owned(),
-            ops: latencies.len(),
-            errors,
-            elapsed,
-            p50: pick(0.50),
-            p99: pick(0.99),
-        }
+        Self { name: name.to_owned(), ops: latencies.len(), errors, elapsed, p50: pick(0.50), p99: pick(0.99) }
     }
 
     pub fn rate(&self) -> f64 {
@@ -47,10 +35,7 @@ impl Summary {
 }
 
 pub fn print_table(rows: &[Summary]) {
-    println!(
-        "{:<44} {:>10} {:>8} {:>12} {:>10} {:>10}",
-        "phase", "ops", "errors", "ops/s", "p50 ms", "p99 ms"
-    );
+    println!("{:<44} {:>10} {:>8} {:>12} {:>10} {:>10}", "phase", "ops", "errors", "ops/s", "p50 ms", "p99 ms");
     for r in rows {
         println!(
             "{:<44} {:>10} {:>8} {:>12.0} {:>10.2} {:>10.2}",
@@ -65,10 +50,7 @@ pub fn print_table(rows: &[Summary]) {
 }
 
 pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
 /// Runs `pgbench` with a script and returns its transactions per second (excluding connection time).
@@ -90,17 +72,8 @@ pub fn pgbench(url: &str, script: &str, clients: usize, seconds: u64) -> anyhow:
         ])
         .output()?;
     let text = String::from_utf8_lossy(&out.stdout);
-    anyhow::ensure!(
-        out.status.success(),
-        "pgbench failed: {}{}",
-        text,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    anyhow::ensure!(out.status.success(), "pgbench failed: {}{}", text, String::from_utf8_lossy(&out.stderr));
     text.lines()
-        .find_map(|l| {
-            l.strip_prefix("tps = ")
-                .and_then(|r| r.split_whitespace().next())
-                .and_then(|v| v.parse().ok())
-        })
+        .find_map(|l| l.strip_prefix("tps = ").and_then(|r| r.split_whitespace().next()).and_then(|v| v.parse().ok()))
         .ok_or_else(|| anyhow::anyhow!("no tps in pgbench output: {text}"))
 }

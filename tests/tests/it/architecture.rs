@@ -8,47 +8,23 @@ use std::process::Command;
 fn dependency_tree(package: &str) -> BTreeSet<String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
-        .args([
-            "tree",
-            "--offline",
-            "-p",
-            package,
-            "-e",
-            "normal",
-            "--prefix",
-            "none",
-            "-f",
-            "{p}",
-        ])
+        .args(["tree", "--offline", "-p", package, "-e", "normal", "--prefix", "none", "-f", "{p}"])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("cargo tree runs");
-    assert!(
-        out.status.success(),
-        "cargo tree failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "cargo tree failed: {}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8(out.stdout).expect("utf-8");
-    let mut names: BTreeSet<String> = text
-        .lines()
-        .filter_map(|l| l.split_whitespace().next())
-        .map(str::to_owned)
-        .collect();
+    let mut names: BTreeSet<String> =
+        text.lines().filter_map(|l| l.split_whitespace().next()).map(str::to_owned).collect();
     names.remove(package);
-    assert!(
-        !names.is_empty() || package == "idem-ports",
-        "empty tree for {package}: {text}"
-    );
+    assert!(!names.is_empty() || package == "idem-ports", "empty tree for {package}: {text}");
     names
 }
 
 #[test]
 fn domain_depends_on_ports_and_no_io_crate() {
     let deps = dependency_tree("idem-domain");
-    assert!(
-        deps.contains("idem-ports"),
-        "idem-domain must depend on idem-ports: {deps:?}"
-    );
+    assert!(deps.contains("idem-ports"), "idem-domain must depend on idem-ports: {deps:?}");
     for forbidden in [
         "sqlx",
         "sqlx-core",
@@ -61,29 +37,15 @@ fn domain_depends_on_ports_and_no_io_crate() {
         "idem-kafka",
         "idem-http",
     ] {
-        assert!(
-            !deps.contains(forbidden),
-            "idem-domain must not depend on {forbidden} (it does, transitively)"
-        );
+        assert!(!deps.contains(forbidden), "idem-domain must not depend on {forbidden} (it does, transitively)");
     }
 }
 
 #[test]
 fn ports_do_no_io_either() {
     let deps = dependency_tree("idem-ports");
-    for forbidden in [
-        "sqlx",
-        "sqlx-core",
-        "rdkafka",
-        "axum",
-        "hyper",
-        "tokio",
-        "idem-domain",
-    ] {
-        assert!(
-            !deps.contains(forbidden),
-            "idem-ports must not depend on {forbidden}"
-        );
+    for forbidden in ["sqlx", "sqlx-core", "rdkafka", "axum", "hyper", "tokio", "idem-domain"] {
+        assert!(!deps.contains(forbidden), "idem-ports must not depend on {forbidden}");
     }
 }
 
@@ -92,16 +54,10 @@ fn no_adapter_depends_on_another_adapter() {
     let adapters = ["idem-postgres", "idem-kafka", "idem-http"];
     for a in adapters {
         let deps = dependency_tree(a);
-        assert!(
-            deps.contains("idem-ports"),
-            "{a} implements the ports, so it depends on idem-ports"
-        );
+        assert!(deps.contains("idem-ports"), "{a} implements the ports, so it depends on idem-ports");
         for b in adapters.iter().filter(|b| **b != a) {
             assert!(!deps.contains(*b), "{a} must not depend on {b}");
         }
-        assert!(
-            !deps.contains("idem-app"),
-            "{a} must not depend on idem-app"
-        );
+        assert!(!deps.contains("idem-app"), "{a} must not depend on idem-app");
     }
 }

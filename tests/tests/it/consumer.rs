@@ -9,9 +9,8 @@ use idem_domain::TtlPolicy;
 use idem_domain::usecases::OrderEventHandler;
 use idem_kafka::consumer::{ConsumerStats, Runner, RunnerSettings};
 use idem_ports::{
-    IdempotencyRepository, OutboxRepository, PaymentRepository, ProcessedEventRepository,
-    ProjectionRepository, SagaStepRepository, StoreError, SystemClock, TransactionManager,
-    UnitOfWork, UuidV7Generator,
+    IdempotencyRepository, OutboxRepository, PaymentRepository, ProcessedEventRepository, ProjectionRepository,
+    SagaStepRepository, StoreError, SystemClock, TransactionManager, UnitOfWork, UuidV7Generator,
 };
 use idem_postgres::PgStore;
 use idem_tests::TestDb;
@@ -44,12 +43,8 @@ fn handler() -> Arc<OrderEventHandler> {
 }
 
 fn settings(brokers: &str, group: &str, topic: &str, batch: usize) -> RunnerSettings {
-    let mut s = RunnerSettings::new(
-        brokers,
-        group,
-        topic,
-        TtlPolicy::new(Duration::from_secs(72 * 3600)).expect("ttl"),
-    );
+    let mut s =
+        RunnerSettings::new(brokers, group, topic, TtlPolicy::new(Duration::from_secs(72 * 3600)).expect("ttl"));
     s.consumer.session_timeout = Duration::from_millis(6000);
     s.batch_size = batch;
     s.max_rejections = 2;
@@ -79,9 +74,7 @@ fn placed(order: Uuid, external: &str, version: i64) -> Vec<u8> {
 }
 
 fn cancelled(order: Uuid, version: i64) -> Vec<u8> {
-    json!({ "type": "OrderCancelled", "order_id": order, "version": version })
-        .to_string()
-        .into_bytes()
+    json!({ "type": "OrderCancelled", "order_id": order, "version": version }).to_string().into_bytes()
 }
 
 async fn setup(partitions: i32) -> anyhow::Result<(TestDb, String, String)> {
@@ -101,20 +94,12 @@ async fn send(
     payload: &[u8],
 ) -> anyhow::Result<()> {
     let id = event.to_string();
-    produce(
-        p,
-        topic,
-        Some(&order.to_string()),
-        payload,
-        &[("event_id", id.as_bytes())],
-    )
-    .await?;
+    produce(p, topic, Some(&order.to_string()), payload, &[("event_id", id.as_bytes())]).await?;
     Ok(())
 }
 
 #[tokio::test]
-async fn a_thousand_events_with_three_hundred_resent_have_seven_hundred_effects()
--> anyhow::Result<()> {
+async fn a_thousand_events_with_three_hundred_resent_have_seven_hundred_effects() -> anyhow::Result<()> {
     let (db, brokers, topic) = setup(3).await?;
     let p = producer(&brokers)?;
     let events: Vec<(Uuid, Uuid)> = (0..700).map(|_| (Uuid::now_v7(), Uuid::now_v7())).collect();
@@ -127,31 +112,16 @@ async fn a_thousand_events_with_three_hundred_resent_have_seven_hundred_effects(
     }
     assert_eq!(sends.len(), 1000);
     for (order, event, i) in &sends {
-        send(
-            &p,
-            &topic,
-            *order,
-            *event,
-            &placed(*order, &format!("pi_{i}"), 1),
-        )
-        .await?;
+        send(&p, &topic, *order, *event, &placed(*order, &format!("pi_{i}"), 1)).await?;
     }
-    let running = start(
-        Arc::new(db.store.clone()),
-        settings(&brokers, &unique_topic("g"), &topic, 100),
-    );
+    let running = start(Arc::new(db.store.clone()), settings(&brokers, &unique_topic("g"), &topic, 100));
     let stats = running.stats.clone();
-    assert!(
-        eventually(Duration::from_secs(60), || async {
-            Ok(stats.received.load(Ordering::Relaxed) >= 1000)
-        })
-        .await?
-    );
+    assert!(eventually(Duration::from_secs(60), || async { Ok(stats.received.get() >= 1000) }).await?);
     running.stop().await;
     assert_eq!(db.count("payment").await?, 700);
     assert_eq!(db.count("processed_event").await?, 700);
-    assert_eq!(stats.duplicates.load(Ordering::Relaxed), 300);
-    assert_eq!(stats.dead_lettered.load(Ordering::Relaxed), 0);
+    assert_eq!(stats.duplicates.get(), 300);
+    assert_eq!(stats.dead_lettered.get(), 0);
     Ok(())
 }
 
@@ -161,51 +131,24 @@ async fn new_event_ids_for_the_same_provider_payment_make_one_payment() -> anyho
     let p = producer(&brokers)?;
     let order = Uuid::now_v7();
     for version in 1..=5 {
-        send(
-            &p,
-            &topic,
-            order,
-            Uuid::now_v7(),
-            &placed(order, "pi_same", version),
-        )
-        .await?;
+        send(&p, &topic, order, Uuid::now_v7(), &placed(order, "pi_same", version)).await?;
     }
-    let running = start(
-        Arc::new(db.store.clone()),
-        settings(&brokers, &unique_topic("g"), &topic, 1),
-    );
+    let running = start(Arc::new(db.store.clone()), settings(&brokers, &unique_topic("g"), &topic, 1));
     let stats = running.stats.clone();
-    assert!(
-        eventually(Duration::from_secs(60), || async {
-            Ok(stats.received.load(Ordering::Relaxed) >= 5)
-        })
-        .await?
-    );
+    assert!(eventually(Duration::from_secs(60), || async { Ok(stats.received.get() >= 5) }).await?);
     running.stop().await;
     assert_eq!(db.count("payment").await?, 1);
-    assert_eq!(
-        db.count("processed_event").await?,
-        5,
-        "five distinct events, each processed once"
-    );
+    assert_eq!(db.count("processed_event").await?, 5, "five distinct events, each processed once");
     Ok(())
 }
 
 #[tokio::test]
-async fn out_of_order_versions_end_at_the_highest_and_compensation_runs_once() -> anyhow::Result<()>
-{
+async fn out_of_order_versions_end_at_the_highest_and_compensation_runs_once() -> anyhow::Result<()> {
     let (db, brokers, topic) = setup(1).await?;
     let p = producer(&brokers)?;
     let order = Uuid::now_v7();
     for version in [2, 3, 1] {
-        send(
-            &p,
-            &topic,
-            order,
-            Uuid::now_v7(),
-            &placed(order, "pi_versions", version),
-        )
-        .await?;
+        send(&p, &topic, order, Uuid::now_v7(), &placed(order, "pi_versions", version)).await?;
     }
     let saga = Uuid::now_v7().to_string();
     for _ in 0..2 {
@@ -220,17 +163,9 @@ async fn out_of_order_versions_end_at_the_highest_and_compensation_runs_once() -
         )
         .await?;
     }
-    let running = start(
-        Arc::new(db.store.clone()),
-        settings(&brokers, &unique_topic("g"), &topic, 10),
-    );
+    let running = start(Arc::new(db.store.clone()), settings(&brokers, &unique_topic("g"), &topic, 10));
     let stats = running.stats.clone();
-    assert!(
-        eventually(Duration::from_secs(60), || async {
-            Ok(stats.received.load(Ordering::Relaxed) >= 5)
-        })
-        .await?
-    );
+    assert!(eventually(Duration::from_secs(60), || async { Ok(stats.received.get() >= 5) }).await?);
     running.stop().await;
     let (version, status): (i64, String) =
         sqlx::query_as("SELECT version, status FROM order_projection WHERE order_id = $1")
@@ -240,9 +175,7 @@ async fn out_of_order_versions_end_at_the_highest_and_compensation_runs_once() -
     assert_eq!((version, status.as_str()), (4, "cancelled"));
     assert_eq!(db.count("payment").await?, 1);
     assert_eq!(db.count("refund").await?, 1, "one compensation");
-    let refunded: String = sqlx::query_scalar("SELECT status FROM payment")
-        .fetch_one(db.pool())
-        .await?;
+    let refunded: String = sqlx::query_scalar("SELECT status FROM payment").fetch_one(db.pool()).await?;
     assert_eq!(refunded, "refunded");
     Ok(())
 }
@@ -254,111 +187,35 @@ async fn bad_messages_are_dead_lettered_and_the_consumer_keeps_going() -> anyhow
     let order = Uuid::now_v7();
     let key = order.to_string();
     produce(&p, &topic, Some(&key), &placed(order, "pi_dlq_1", 1), &[]).await?; // no event_id
-    produce(
-        &p,
-        &topic,
-        Some(&key),
-        &placed(order, "pi_dlq_2", 1),
-        &[("event_id", b"not-a-uuid")],
-    )
-    .await?;
+    produce(&p, &topic, Some(&key), &placed(order, "pi_dlq_2", 1), &[("event_id", b"not-a-uuid")]).await?;
     let id = Uuid::now_v7().to_string();
-    produce(
-        &p,
-        &topic,
-        Some(&key),
-        b"{\"type\":\"OrderPlaced\",",
-        &[("event_id", id.as_bytes())],
-    )
-    .await?;
+    produce(&p, &topic, Some(&key), b"{\"type\":\"OrderPlaced\",", &[("event_id", id.as_bytes())]).await?;
     // rejected by a business rule every time: another order reusing pi_dlq_ok
     let good = Uuid::now_v7();
-    send(
-        &p,
-        &topic,
-        good,
-        Uuid::now_v7(),
-        &placed(good, "pi_dlq_ok", 1),
-    )
-    .await?;
+    send(&p, &topic, good, Uuid::now_v7(), &placed(good, "pi_dlq_ok", 1)).await?;
     let thief = Uuid::now_v7();
-    send(
-        &p,
-        &topic,
-        thief,
-        Uuid::now_v7(),
-        &placed(thief, "pi_dlq_ok", 1),
-    )
-    .await?;
+    send(&p, &topic, thief, Uuid::now_v7(), &placed(thief, "pi_dlq_ok", 1)).await?;
     let last = Uuid::now_v7();
-    send(
-        &p,
-        &topic,
-        last,
-        Uuid::now_v7(),
-        &placed(last, "pi_dlq_last", 1),
-    )
-    .await?;
+    send(&p, &topic, last, Uuid::now_v7(), &placed(last, "pi_dlq_last", 1)).await?;
 
-    let running = start(
-        Arc::new(db.store.clone()),
-        settings(&brokers, &unique_topic("g"), &topic, 10),
-    );
+    let running = start(Arc::new(db.store.clone()), settings(&brokers, &unique_topic("g"), &topic, 10));
     let stats = running.stats.clone();
-    assert!(
-        eventually(Duration::from_secs(60), || async {
-            Ok(stats.dead_lettered.load(Ordering::Relaxed) >= 4)
-        })
-        .await?
-    );
+    assert!(eventually(Duration::from_secs(60), || async { Ok(stats.dead_lettered.get() >= 4) }).await?);
     running.stop().await;
-    assert_eq!(
-        db.count("payment").await?,
-        2,
-        "the good order and the one after the poison messages"
-    );
-    let dlq = read_topic(
-        &brokers,
-        &format!("{topic}.dlq"),
-        4,
-        Duration::from_secs(30),
-    )
-    .await?;
+    assert_eq!(db.count("payment").await?, 2, "the good order and the one after the poison messages");
+    let dlq = read_topic(&brokers, &format!("{topic}.dlq"), 4, Duration::from_secs(30)).await?;
     let mut reasons: Vec<(String, String)> = dlq
         .iter()
-        .map(|m| {
-            (
-                m.header("dlq.reason").unwrap_or_default(),
-                m.header("dlq.error").unwrap_or_default(),
-            )
-        })
+        .map(|m| (m.header("dlq.reason").unwrap_or_default(), m.header("dlq.error").unwrap_or_default()))
         .collect();
     reasons.sort();
     assert_eq!(reasons.len(), 4, "{reasons:?}");
-    assert!(
-        reasons
-            .iter()
-            .any(|(r, e)| r == "invalid-headers" && e.contains("missing event_id")),
-        "{reasons:?}"
-    );
-    assert!(
-        reasons
-            .iter()
-            .any(|(r, e)| r == "invalid-headers" && e.contains("invalid event_id")),
-        "{reasons:?}"
-    );
+    assert!(reasons.iter().any(|(r, e)| r == "invalid-headers" && e.contains("missing event_id")), "{reasons:?}");
+    assert!(reasons.iter().any(|(r, e)| r == "invalid-headers" && e.contains("invalid event_id")), "{reasons:?}");
     assert!(reasons.iter().any(|(r, _)| r == "malformed"), "{reasons:?}");
-    assert!(
-        reasons
-            .iter()
-            .any(|(r, e)| r == "rejected" && e.contains("other details")),
-        "{reasons:?}"
-    );
+    assert!(reasons.iter().any(|(r, e)| r == "rejected" && e.contains("other details")), "{reasons:?}");
     for m in &dlq {
-        assert_eq!(
-            m.header("dlq.original.topic").as_deref(),
-            Some(topic.as_str())
-        );
+        assert_eq!(m.header("dlq.original.topic").as_deref(), Some(topic.as_str()));
         assert!(m.header("dlq.original.offset").is_some());
     }
     Ok(())
@@ -380,10 +237,7 @@ struct HangingUow {
 impl TransactionManager for HangAfterCommit {
     async fn begin(&self) -> Result<Box<dyn UnitOfWork>, StoreError> {
         let left = self.commits_before_hang.fetch_sub(1, Ordering::SeqCst);
-        Ok(Box::new(HangingUow {
-            inner: self.inner.begin().await?,
-            hang: left <= 1,
-        }))
+        Ok(Box::new(HangingUow { inner: self.inner.begin().await?, hang: left <= 1 }))
     }
 }
 
@@ -425,31 +279,18 @@ async fn killed_after_db_commit_before_offset_commit_has_no_second_effect() -> a
     let p = producer(&brokers)?;
     for i in 0..20 {
         let order = Uuid::now_v7();
-        send(
-            &p,
-            &topic,
-            order,
-            Uuid::now_v7(),
-            &placed(order, &format!("pi_kill_{i}"), 1),
-        )
-        .await?;
+        send(&p, &topic, order, Uuid::now_v7(), &placed(order, &format!("pi_kill_{i}"), 1)).await?;
     }
     let group = unique_topic("g");
     // first consumer: the second batch commits in the database and the process dies before the offsets
-    let hang = Arc::new(HangAfterCommit {
-        inner: db.store.clone(),
-        commits_before_hang: 2.into(),
-    });
+    let hang = Arc::new(HangAfterCommit { inner: db.store.clone(), commits_before_hang: 2.into() });
     let first = start(hang, settings(&brokers, &group, &topic, 5));
     let store = db.store.clone();
     assert!(
         eventually(Duration::from_secs(60), || {
             let store = store.clone();
             async move {
-                Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payment")
-                    .fetch_one(store.pool())
-                    .await?
-                    >= 10)
+                Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payment").fetch_one(store.pool()).await? >= 10)
             }
         })
         .await?
@@ -460,30 +301,15 @@ async fn killed_after_db_commit_before_offset_commit_has_no_second_effect() -> a
     let before = db.count("payment").await?;
     assert_eq!(before, 10, "two batches of five committed in the database");
 
-    let second = start(
-        Arc::new(db.store.clone()),
-        settings(&brokers, &group, &topic, 5),
-    );
+    let second = start(Arc::new(db.store.clone()), settings(&brokers, &group, &topic, 5));
     let stats = second.stats.clone();
     assert!(
-        eventually(Duration::from_secs(60), || async {
-            Ok(
-                stats.processed.load(Ordering::Relaxed) + stats.duplicates.load(Ordering::Relaxed)
-                    >= 15,
-            )
-        })
-        .await?
+        eventually(Duration::from_secs(60), || async { Ok(stats.processed.get() + stats.duplicates.get() >= 15) })
+            .await?
     );
     second.stop().await;
-    assert_eq!(
-        db.count("payment").await?,
-        20,
-        "every order charged exactly once"
-    );
-    assert!(
-        stats.duplicates.load(Ordering::Relaxed) >= 5,
-        "the redelivered batch was recognised"
-    );
+    assert_eq!(db.count("payment").await?, 20, "every order charged exactly once");
+    assert!(stats.duplicates.get() >= 5, "the redelivered batch was recognised");
     Ok(())
 }
 
@@ -500,24 +326,10 @@ async fn rebalance_under_load_keeps_effects_equal_to_distinct_events() -> anyhow
     for i in 0..1500 {
         let order = Uuid::now_v7();
         let event = Uuid::now_v7();
-        send(
-            &p,
-            &topic,
-            order,
-            event,
-            &placed(order, &format!("pi_rb_{i}"), 1),
-        )
-        .await?;
+        send(&p, &topic, order, event, &placed(order, &format!("pi_rb_{i}"), 1)).await?;
         distinct += 1;
         if i % 5 == 0 {
-            send(
-                &p,
-                &topic,
-                order,
-                event,
-                &placed(order, &format!("pi_rb_{i}"), 1),
-            )
-            .await?;
+            send(&p, &topic, order, event, &placed(order, &format!("pi_rb_{i}"), 1)).await?;
         }
         if i == 300 {
             b = Some(start(tm.clone(), settings(&brokers, &group, &topic, 20)));
@@ -533,10 +345,7 @@ async fn rebalance_under_load_keeps_effects_equal_to_distinct_events() -> anyhow
     let done = eventually(Duration::from_secs(90), || {
         let store = store.clone();
         async move {
-            Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payment")
-                .fetch_one(store.pool())
-                .await?
-                >= distinct)
+            Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payment").fetch_one(store.pool()).await? >= distinct)
         }
     })
     .await?;
@@ -544,12 +353,9 @@ async fn rebalance_under_load_keeps_effects_equal_to_distinct_events() -> anyhow
     let a_stats = a.stats.clone();
     a.stop().await;
     assert!(done, "all events processed");
-    let b_processed = b_stats.map_or(0, |s| s.processed.load(Ordering::Relaxed));
-    assert!(
-        b_processed > 0,
-        "the second member took partitions and processed events"
-    );
-    assert!(a_stats.processed.load(Ordering::Relaxed) > 0);
+    let b_processed = b_stats.map_or(0, |s| s.processed.get());
+    assert!(b_processed > 0, "the second member took partitions and processed events");
+    assert!(a_stats.processed.get() > 0);
     assert_eq!(db.count("payment").await?, distinct);
     assert_eq!(db.count("processed_event").await?, distinct);
     Ok(())

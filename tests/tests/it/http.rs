@@ -52,11 +52,7 @@ async fn spawn_with(db: TestDb, conflict: StatusCode) -> anyhow::Result<Api> {
     let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), layer_config(conflict));
     let router = idem_http::router(api_state(&db.store), keys(), layer);
     let base = idem_tests::serve(router).await?;
-    Ok(Api {
-        db,
-        base,
-        http: reqwest::Client::new(),
-    })
+    Ok(Api { db, base, http: reqwest::Client::new() })
 }
 
 async fn spawn() -> anyhow::Result<Api> {
@@ -77,12 +73,7 @@ impl Reply {
         self.headers.get(name).and_then(|v| v.to_str().ok())
     }
     fn problem_type(&self) -> String {
-        assert_eq!(
-            self.header("content-type"),
-            Some("application/problem+json"),
-            "status {}",
-            self.status
-        );
+        assert_eq!(self.header("content-type"), Some("application/problem+json"), "status {}", self.status);
         self.json()["type"].as_str().unwrap_or_default().to_owned()
     }
 }
@@ -97,13 +88,7 @@ impl Api {
         })
     }
 
-    async fn post(
-        &self,
-        path: &str,
-        api_key: &str,
-        idem_key: Option<&str>,
-        body: &str,
-    ) -> anyhow::Result<Reply> {
+    async fn post(&self, path: &str, api_key: &str, idem_key: Option<&str>, body: &str) -> anyhow::Result<Reply> {
         let mut req = self
             .http
             .post(format!("{}{path}", self.base))
@@ -117,17 +102,11 @@ impl Api {
     }
 
     async fn charge(&self, api_key: &str, idem_key: &str, body: &Value) -> anyhow::Result<Reply> {
-        self.post("/payments", api_key, Some(idem_key), &body.to_string())
-            .await
+        self.post("/payments", api_key, Some(idem_key), &body.to_string()).await
     }
 
     async fn get(&self, path: &str, api_key: &str) -> anyhow::Result<Reply> {
-        self.send(
-            self.http
-                .get(format!("{}{path}", self.base))
-                .bearer_auth(api_key),
-        )
-        .await
+        self.send(self.http.get(format!("{}{path}", self.base)).bearer_auth(api_key)).await
     }
 }
 
@@ -161,10 +140,7 @@ async fn replay_is_byte_for_byte() -> anyhow::Result<()> {
     assert_eq!(api.db.count("outbox_message").await?, 1);
     // the structured-field form names the same key
     let third = api.charge(KEY_A, "\"key-replay\"", &body).await?;
-    assert_eq!(
-        (third.status, third.body.clone()),
-        (201, first.body.clone())
-    );
+    assert_eq!((third.status, third.body.clone()), (201, first.body.clone()));
     Ok(())
 }
 
@@ -179,23 +155,15 @@ async fn changed_body_is_a_conflict_and_reformatted_json_is_not() -> anyhow::Res
     changed["amount"] = json!("10.01");
     let conflict = api.charge(KEY_A, "key-c", &changed).await?;
     assert_eq!(conflict.status, 409);
-    assert_eq!(
-        conflict.problem_type(),
-        "urn:idem:problem:idempotency-key-reused"
-    );
+    assert_eq!(conflict.problem_type(), "urn:idem:problem:idempotency-key-reused");
     assert_eq!(conflict.header("cache-control"), Some("no-store"));
 
     // same JSON, other key order and whitespace
     let obj = body.as_object().expect("object");
-    let mut fields: Vec<String> = obj
-        .iter()
-        .map(|(k, v)| format!("\n  \"{k}\" :  {v}"))
-        .collect();
+    let mut fields: Vec<String> = obj.iter().map(|(k, v)| format!("\n  \"{k}\" :  {v}")).collect();
     fields.reverse();
     let reformatted = format!("{{{}\n}}", fields.join(" ,"));
-    let replay = api
-        .post("/payments", KEY_A, Some("key-c"), &reformatted)
-        .await?;
+    let replay = api.post("/payments", KEY_A, Some("key-c"), &reformatted).await?;
     assert_eq!(replay.status, 201);
     assert_eq!(replay.body, first.body);
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
@@ -208,14 +176,9 @@ async fn conflict_status_can_follow_the_ietf_draft() -> anyhow::Result<()> {
     let api = spawn_with(TestDb::new().await?, StatusCode::UNPROCESSABLE_ENTITY).await?;
     let body = charge_body("pi_422", "1.00");
     assert_eq!(api.charge(KEY_A, "k422", &body).await?.status, 201);
-    let reuse = api
-        .charge(KEY_A, "k422", &charge_body("pi_422_other", "1.00"))
-        .await?;
+    let reuse = api.charge(KEY_A, "k422", &charge_body("pi_422_other", "1.00")).await?;
     assert_eq!(reuse.status, 422);
-    assert_eq!(
-        reuse.problem_type(),
-        "urn:idem:problem:idempotency-key-reused"
-    );
+    assert_eq!(reuse.problem_type(), "urn:idem:problem:idempotency-key-reused");
     Ok(())
 }
 
@@ -226,9 +189,7 @@ async fn fifty_concurrent_identical_requests_create_one_payment() -> anyhow::Res
     let mut tasks = Vec::new();
     for _ in 0..50 {
         let (api, body) = (api.clone(), body.clone());
-        tasks.push(tokio::spawn(async move {
-            api.charge(KEY_A, "storm-key", &body).await
-        }));
+        tasks.push(tokio::spawn(async move { api.charge(KEY_A, "storm-key", &body).await }));
     }
     let mut bodies = std::collections::BTreeSet::new();
     let (mut ok, mut in_flight) = (0, 0);
@@ -244,10 +205,7 @@ async fn fifty_concurrent_identical_requests_create_one_payment() -> anyhow::Res
                 assert!(r.header("retry-after").is_some());
                 in_flight += 1;
             }
-            other => panic!(
-                "unexpected status {other}: {}",
-                String::from_utf8_lossy(&r.body)
-            ),
+            other => panic!("unexpected status {other}: {}", String::from_utf8_lossy(&r.body)),
         }
     }
     assert_eq!(ok + in_flight, 50);
@@ -261,21 +219,15 @@ async fn fifty_concurrent_identical_requests_create_one_payment() -> anyhow::Res
 #[tokio::test]
 async fn keys_are_scoped_by_merchant() -> anyhow::Result<()> {
     let api = spawn().await?;
-    let a = api
-        .charge(KEY_A, "shared-key", &charge_body("pi_iso_a", "5.00"))
-        .await?;
+    let a = api.charge(KEY_A, "shared-key", &charge_body("pi_iso_a", "5.00")).await?;
     assert_eq!(a.status, 201);
-    let b = api
-        .charge(KEY_B, "shared-key", &charge_body("pi_iso_b", "7.00"))
-        .await?;
+    let b = api.charge(KEY_B, "shared-key", &charge_body("pi_iso_b", "7.00")).await?;
     assert_eq!(b.status, 201, "merchant B executes its own request");
     assert!(b.header("idempotent-replayed").is_none());
     assert_ne!(a.json()["id"], b.json()["id"]);
     assert_eq!(b.json()["amount"], "7.0000");
     // B sending A's exact request under A's key still never sees A's response
-    let b2 = api
-        .charge(KEY_B, "shared-key-2", &charge_body("pi_iso_a", "5.00"))
-        .await?;
+    let b2 = api.charge(KEY_B, "shared-key-2", &charge_body("pi_iso_a", "5.00")).await?;
     assert_eq!(b2.status, 409);
     assert_eq!(b2.problem_type(), "urn:idem:problem:payment-conflict");
     assert!(!String::from_utf8_lossy(&b2.body).contains(a.json()["id"].as_str().unwrap_or("-")));
@@ -303,70 +255,33 @@ async fn unique_provider_payment_across_keys() -> anyhow::Result<()> {
     assert_eq!(api.db.count("payment").await?, 1);
     // the 4xx answer is stored and replayed too
     let again = api.charge(KEY_A, "dp-3", &other).await?;
-    assert_eq!(
-        (again.status, again.header("idempotent-replayed")),
-        (409, Some("true"))
-    );
+    assert_eq!((again.status, again.header("idempotent-replayed")), (409, Some("true")));
     Ok(())
 }
 
 #[tokio::test]
 async fn refunds_and_reads() -> anyhow::Result<()> {
     let api = spawn().await?;
-    let paid = api
-        .charge(KEY_A, "rf-charge", &charge_body("pi_refund", "10.00"))
-        .await?;
+    let paid = api.charge(KEY_A, "rf-charge", &charge_body("pi_refund", "10.00")).await?;
     let id = paid.json()["id"].as_str().unwrap_or_default().to_owned();
     let path = format!("/payments/{id}/refund");
-    let r1 = api
-        .post(
-            &path,
-            KEY_A,
-            Some("rf-1"),
-            r#"{"amount":"4.00","reason":"damaged"}"#,
-        )
-        .await?;
+    let r1 = api.post(&path, KEY_A, Some("rf-1"), r#"{"amount":"4.00","reason":"damaged"}"#).await?;
     assert_eq!(r1.status, 201, "{}", String::from_utf8_lossy(&r1.body));
     assert_eq!(r1.json()["payment_status"], "partially_refunded");
-    let replay = api
-        .post(
-            &path,
-            KEY_A,
-            Some("rf-1"),
-            r#"{"amount":"4.00","reason":"damaged"}"#,
-        )
-        .await?;
+    let replay = api.post(&path, KEY_A, Some("rf-1"), r#"{"amount":"4.00","reason":"damaged"}"#).await?;
     assert_eq!(replay.body, r1.body);
-    let too_much = api
-        .post(&path, KEY_A, Some("rf-2"), r#"{"amount":"6.01"}"#)
-        .await?;
+    let too_much = api.post(&path, KEY_A, Some("rf-2"), r#"{"amount":"6.01"}"#).await?;
     assert_eq!(too_much.status, 422);
-    assert_eq!(
-        too_much.problem_type(),
-        "urn:idem:problem:refund-exceeds-captured"
-    );
-    let rest = api
-        .post(&path, KEY_A, Some("rf-3"), r#"{"amount":"6"}"#)
-        .await?;
+    assert_eq!(too_much.problem_type(), "urn:idem:problem:refund-exceeds-captured");
+    let rest = api.post(&path, KEY_A, Some("rf-3"), r#"{"amount":"6"}"#).await?;
     assert_eq!(rest.json()["payment_status"], "refunded");
-    let unknown = api
-        .post(
-            &format!("/payments/{}/refund", Uuid::now_v7()),
-            KEY_A,
-            Some("rf-4"),
-            r#"{"amount":"1"}"#,
-        )
-        .await?;
+    let unknown =
+        api.post(&format!("/payments/{}/refund", Uuid::now_v7()), KEY_A, Some("rf-4"), r#"{"amount":"1"}"#).await?;
     assert_eq!(unknown.status, 404);
-    let other_merchant = api
-        .post(&path, KEY_B, Some("rf-5"), r#"{"amount":"1"}"#)
-        .await?;
+    let other_merchant = api.post(&path, KEY_B, Some("rf-5"), r#"{"amount":"1"}"#).await?;
     assert_eq!(other_merchant.status, 404);
     let got = api.get(&format!("/payments/{id}"), KEY_A).await?;
-    assert_eq!(
-        (got.status, got.json()["refunded_amount"].clone()),
-        (200, json!("10.0000"))
-    );
+    assert_eq!((got.status, got.json()["refunded_amount"].clone()), (200, json!("10.0000")));
     assert_eq!(api.db.count("refund").await?, 2);
     Ok(())
 }
@@ -376,11 +291,7 @@ async fn handler_failure_after_insert_stores_nothing_and_retry_succeeds() -> any
     let db = TestDb::new().await?;
     let fail_once = Arc::new(AtomicBool::new(true));
     let tm: Arc<dyn TransactionManager> = Arc::new(db.store.clone());
-    let layer = IdempotencyLayer::new(
-        tm,
-        Arc::new(SystemClock),
-        layer_config(StatusCode::CONFLICT),
-    );
+    let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), layer_config(StatusCode::CONFLICT));
     let flag = fail_once.clone();
     let handler = move |mut tx: Tx| {
         let flag = flag.clone();
@@ -389,21 +300,11 @@ async fn handler_failure_after_insert_stores_nothing_and_retry_succeeds() -> any
                 amount: Amount::parse("3.00").expect("valid"),
                 currency: Currency::parse("EUR").expect("valid"),
             };
-            let cmd = ChargeCommand::new(
-                "merchant_a",
-                Uuid::from_u128(1),
-                Uuid::from_u128(2),
-                "stripe",
-                "pi_fail",
-                money,
-            )
-            .expect("valid");
+            let cmd =
+                ChargeCommand::new("merchant_a", Uuid::from_u128(1), Uuid::from_u128(2), "stripe", "pi_fail", money)
+                    .expect("valid");
             let (clock, ids) = (SystemClock, UuidV7Generator);
-            let env = Env {
-                clock: &clock as &dyn Clock,
-                ids: &ids,
-                payments_topic: "payments",
-            };
+            let env = Env { clock: &clock as &dyn Clock, ids: &ids, payments_topic: "payments" };
             let out = charge_payment(tx.uow(), env, &cmd).await;
             assert!(out.is_ok(), "insert worked inside the transaction");
             if flag.swap(false, Ordering::SeqCst) {
@@ -412,32 +313,19 @@ async fn handler_failure_after_insert_stores_nothing_and_retry_succeeds() -> any
             (StatusCode::CREATED, "charged").into_response()
         }
     };
-    let router = axum::Router::new()
-        .route("/charge", axum::routing::post(handler))
-        .route_layer(layer)
-        .layer(axum::middleware::from_fn(
-            |mut req: axum::extract::Request, next: axum::middleware::Next| async move {
-                req.extensions_mut()
-                    .insert(idem_http::Merchant("merchant_a".into()));
-                next.run(req).await
-            },
-        ));
+    let router = axum::Router::new().route("/charge", axum::routing::post(handler)).route_layer(layer).layer(
+        axum::middleware::from_fn(|mut req: axum::extract::Request, next: axum::middleware::Next| async move {
+            req.extensions_mut().insert(idem_http::Merchant("merchant_a".into()));
+            next.run(req).await
+        }),
+    );
     let base = idem_tests::serve(router).await?;
     let http = reqwest::Client::new();
-    let send = || {
-        http.post(format!("{base}/charge"))
-            .header("idempotency-key", "fail-key")
-            .body("{}")
-            .send()
-    };
+    let send = || http.post(format!("{base}/charge")).header("idempotency-key", "fail-key").body("{}").send();
     let first = send().await?;
     assert_eq!(first.status().as_u16(), 500);
     assert_eq!(db.count("payment").await?, 0, "the payment was rolled back");
-    assert_eq!(
-        db.count("idempotency_record").await?,
-        0,
-        "no record for a 5xx"
-    );
+    assert_eq!(db.count("idempotency_record").await?, 0, "no record for a 5xx");
     assert_eq!(db.count("outbox_message").await?, 0);
     let retry = send().await?;
     assert_eq!(retry.status().as_u16(), 201);
@@ -445,13 +333,7 @@ async fn handler_failure_after_insert_stores_nothing_and_retry_succeeds() -> any
     assert_eq!(db.count("payment").await?, 1);
     assert_eq!(db.count("idempotency_record").await?, 1);
     let replay = send().await?;
-    assert_eq!(
-        replay
-            .headers()
-            .get("idempotent-replayed")
-            .and_then(|v| v.to_str().ok()),
-        Some("true")
-    );
+    assert_eq!(replay.headers().get("idempotent-replayed").and_then(|v| v.to_str().ok()), Some("true"));
     assert_eq!(db.count("payment").await?, 1);
     Ok(())
 }
@@ -463,11 +345,7 @@ async fn unreachable_store_answers_503_and_executes_nothing() -> anyhow::Result<
         .connect_lazy("postgres://postgres@127.0.0.1:1/none")?;
     let store = PgStore::from_pool(pool);
     let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
-    let layer = IdempotencyLayer::new(
-        tm,
-        Arc::new(SystemClock),
-        layer_config(StatusCode::CONFLICT),
-    );
+    let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), layer_config(StatusCode::CONFLICT));
     let router = idem_http::router(api_state(&store), keys(), layer);
     let base = idem_tests::serve(router).await?;
     let resp = reqwest::Client::new()
@@ -480,18 +358,8 @@ async fn unreachable_store_answers_503_and_executes_nothing() -> anyhow::Result<
         .await?;
     assert_eq!(resp.status().as_u16(), 503);
     assert!(resp.headers().get("retry-after").is_some());
-    assert_eq!(
-        resp.headers()
-            .get("cache-control")
-            .and_then(|v| v.to_str().ok()),
-        Some("no-store")
-    );
-    assert_eq!(
-        resp.headers()
-            .get("content-type")
-            .and_then(|v| v.to_str().ok()),
-        Some("application/problem+json")
-    );
+    assert_eq!(resp.headers().get("cache-control").and_then(|v| v.to_str().ok()), Some("no-store"));
+    assert_eq!(resp.headers().get("content-type").and_then(|v| v.to_str().ok()), Some("application/problem+json"));
     Ok(())
 }
 
@@ -517,80 +385,34 @@ async fn bad_input_gets_precise_problems_and_is_never_stored() -> anyhow::Result
     }
     let cases: Vec<(Case, Reply)> = vec![
         (
-            Case {
-                name: "missing key",
-                status: 400,
-                problem: "idempotency-key-missing",
-                field: None,
-            },
+            Case { name: "missing key", status: 400, problem: "idempotency-key-missing", field: None },
             api.post("/payments", KEY_A, None, &good).await?,
         ),
         (
-            Case {
-                name: "key with space",
-                status: 400,
-                problem: "idempotency-key-invalid",
-                field: None,
-            },
+            Case { name: "key with space", status: 400, problem: "idempotency-key-invalid", field: None },
             api.post("/payments", KEY_A, Some("a b"), &good).await?,
         ),
         (
-            Case {
-                name: "key too long",
-                status: 400,
-                problem: "idempotency-key-invalid",
-                field: None,
-            },
-            api.post("/payments", KEY_A, Some(&"k".repeat(256)), &good)
-                .await?,
+            Case { name: "key too long", status: 400, problem: "idempotency-key-invalid", field: None },
+            api.post("/payments", KEY_A, Some(&"k".repeat(256)), &good).await?,
         ),
         (
-            Case {
-                name: "no auth",
-                status: 401,
-                problem: "unauthorized",
-                field: None,
-            },
+            Case { name: "no auth", status: 401, problem: "unauthorized", field: None },
             api.send(
-                api.http
-                    .post(format!("{}/payments", api.base))
-                    .header("idempotency-key", "x1")
-                    .body(good.clone()),
+                api.http.post(format!("{}/payments", api.base)).header("idempotency-key", "x1").body(good.clone()),
             )
             .await?,
         ),
         (
-            Case {
-                name: "wrong api key",
-                status: 401,
-                problem: "unauthorized",
-                field: None,
-            },
-            api.post("/payments", "not_a_key_123", Some("x2"), &good)
-                .await?,
+            Case { name: "wrong api key", status: 401, problem: "unauthorized", field: None },
+            api.post("/payments", "not_a_key_123", Some("x2"), &good).await?,
         ),
         (
-            Case {
-                name: "oversize",
-                status: 413,
-                problem: "payload-too-large",
-                field: None,
-            },
-            api.post(
-                "/payments",
-                KEY_A,
-                Some("x3"),
-                &format!("{{\"pad\":\"{}\"}}", "x".repeat(70 * 1024)),
-            )
-            .await?,
+            Case { name: "oversize", status: 413, problem: "payload-too-large", field: None },
+            api.post("/payments", KEY_A, Some("x3"), &format!("{{\"pad\":\"{}\"}}", "x".repeat(70 * 1024))).await?,
         ),
         (
-            Case {
-                name: "wrong content type",
-                status: 415,
-                problem: "unsupported-media-type",
-                field: None,
-            },
+            Case { name: "wrong content type", status: 415, problem: "unsupported-media-type", field: None },
             api.send(
                 api.http
                     .post(format!("{}/payments", api.base))
@@ -602,22 +424,11 @@ async fn bad_input_gets_precise_problems_and_is_never_stored() -> anyhow::Result
             .await?,
         ),
         (
-            Case {
-                name: "malformed json",
-                status: 400,
-                problem: "malformed-json",
-                field: None,
-            },
-            api.post("/payments", KEY_A, Some("x5"), "{\"order_id\":")
-                .await?,
+            Case { name: "malformed json", status: 400, problem: "malformed-json", field: None },
+            api.post("/payments", KEY_A, Some("x5"), "{\"order_id\":").await?,
         ),
         (
-            Case {
-                name: "invalid utf-8",
-                status: 400,
-                problem: "malformed-json",
-                field: None,
-            },
+            Case { name: "invalid utf-8", status: 400, problem: "malformed-json", field: None },
             api.send(
                 api.http
                     .post(format!("{}/payments", api.base))
@@ -629,142 +440,49 @@ async fn bad_input_gets_precise_problems_and_is_never_stored() -> anyhow::Result
             .await?,
         ),
         (
-            Case {
-                name: "missing amount",
-                status: 422,
-                problem: "invalid-field",
-                field: Some("amount"),
-            },
-            api.post("/payments", KEY_A, Some("x7"), &without("amount"))
-                .await?,
+            Case { name: "missing amount", status: 422, problem: "invalid-field", field: Some("amount") },
+            api.post("/payments", KEY_A, Some("x7"), &without("amount")).await?,
         ),
         (
-            Case {
-                name: "negative amount",
-                status: 422,
-                problem: "invalid-field",
-                field: Some("amount"),
-            },
-            api.post(
-                "/payments",
-                KEY_A,
-                Some("x8"),
-                &with("amount", json!("-1.00")),
-            )
-            .await?,
+            Case { name: "negative amount", status: 422, problem: "invalid-field", field: Some("amount") },
+            api.post("/payments", KEY_A, Some("x8"), &with("amount", json!("-1.00"))).await?,
         ),
         (
-            Case {
-                name: "zero amount",
-                status: 422,
-                problem: "invalid-field",
-                field: Some("amount"),
-            },
-            api.post("/payments", KEY_A, Some("x9"), &with("amount", json!("0")))
-                .await?,
+            Case { name: "zero amount", status: 422, problem: "invalid-field", field: Some("amount") },
+            api.post("/payments", KEY_A, Some("x9"), &with("amount", json!("0"))).await?,
         ),
         (
-            Case {
-                name: "over-precise amount",
-                status: 422,
-                problem: "invalid-field",
-                field: Some("amount"),
-            },
-            api.post(
-                "/payments",
-                KEY_A,
-                Some("x10"),
-                &with("amount", json!("1.00001")),
-            )
-            .await?,
+            Case { name: "over-precise amount", status: 422, problem: "invalid-field", field: Some("amount") },
+            api.post("/payments", KEY_A, Some("x10"), &with("amount", json!("1.00001"))).await?,
         ),
         (
-            Case {
-                name: "numeric amount",
-                status: 422,
-                problem: "invalid-field",
-                field: Some("amount"),
-            },
-            api.post("/payments", KEY_A, Some("x11"), &with("amount", json!(1.5)))
-                .await?,
+            Case { name: "numeric amount", status: 422, problem: "invalid-field", field: Some("amount") },
+            api.post("/payments", KEY_A, Some("x11"), &with("amount", json!(1.5))).await?,
         ),
         (
-            Case {
-                name: "unknown currency",
-                status: 422,
-                problem: "invalid-field",
-                field: Some("currency"),
-            },
-            api.post(
-                "/payments",
-                KEY_A,
-                Some("x12"),
-                &with("currency", json!("ABC")),
-            )
-            .await?,
+            Case { name: "unknown currency", status: 422, problem: "invalid-field", field: Some("currency") },
+            api.post("/payments", KEY_A, Some("x12"), &with("currency", json!("ABC"))).await?,
         ),
         (
-            Case {
-                name: "bad uuid",
-                status: 422,
-                problem: "invalid-field",
-                field: Some("order_id"),
-            },
-            api.post(
-                "/payments",
-                KEY_A,
-                Some("x13"),
-                &with("order_id", json!("1; DROP TABLE payment")),
-            )
-            .await?,
+            Case { name: "bad uuid", status: 422, problem: "invalid-field", field: Some("order_id") },
+            api.post("/payments", KEY_A, Some("x13"), &with("order_id", json!("1; DROP TABLE payment"))).await?,
         ),
         (
-            Case {
-                name: "injection-shaped provider",
-                status: 422,
-                problem: "invalid-field",
-                field: Some("provider"),
-            },
-            api.post(
-                "/payments",
-                KEY_A,
-                Some("x14"),
-                &with("provider", json!("x' OR '1'='1")),
-            )
-            .await?,
+            Case { name: "injection-shaped provider", status: 422, problem: "invalid-field", field: Some("provider") },
+            api.post("/payments", KEY_A, Some("x14"), &with("provider", json!("x' OR '1'='1"))).await?,
         ),
         (
-            Case {
-                name: "unknown route",
-                status: 404,
-                problem: "not-found",
-                field: None,
-            },
+            Case { name: "unknown route", status: 404, problem: "not-found", field: None },
             api.get("/nowhere", KEY_A).await?,
         ),
     ];
     for (case, reply) in &cases {
-        assert_eq!(
-            reply.status,
-            case.status,
-            "{}: {}",
-            case.name,
-            String::from_utf8_lossy(&reply.body)
-        );
-        assert_eq!(
-            reply.problem_type(),
-            format!("urn:idem:problem:{}", case.problem),
-            "{}",
-            case.name
-        );
+        assert_eq!(reply.status, case.status, "{}: {}", case.name, String::from_utf8_lossy(&reply.body));
+        assert_eq!(reply.problem_type(), format!("urn:idem:problem:{}", case.problem), "{}", case.name);
         if let Some(field) = case.field {
             assert_eq!(reply.json()["field"], field, "{}", case.name);
         }
-        assert!(
-            !String::from_utf8_lossy(&reply.body).contains(KEY_A),
-            "{} leaks the API key",
-            case.name
-        );
+        assert!(!String::from_utf8_lossy(&reply.body).contains(KEY_A), "{} leaks the API key", case.name);
     }
     // two Idempotency-Key header lines
     let dup = api
@@ -779,21 +497,69 @@ async fn bad_input_gets_precise_problems_and_is_never_stored() -> anyhow::Result
         )
         .await?;
     assert_eq!(dup.status, 400);
-    assert_eq!(
-        dup.problem_type(),
-        "urn:idem:problem:idempotency-key-invalid"
-    );
-    assert_eq!(
-        api.db.count("payment").await?,
-        0,
-        "no bad request created a payment"
-    );
+    assert_eq!(dup.problem_type(), "urn:idem:problem:idempotency-key-invalid");
+    assert_eq!(api.db.count("payment").await?, 0, "no bad request created a payment");
     // input rejected before execution is never stored: the client may fix it and reuse the key
     assert_eq!(api.db.count("idempotency_record").await?, 0);
     let fixed = api.post("/payments", KEY_A, Some("x8"), &good).await?;
-    assert_eq!(
-        fixed.status, 201,
-        "a corrected request may reuse the key of a rejected one"
-    );
+    assert_eq!(fixed.status, 201, "a corrected request may reuse the key of a rejected one");
+    Ok(())
+}
+
+#[tokio::test]
+async fn idempotency_metrics_move_when_things_happen() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let tm: Arc<dyn TransactionManager> = Arc::new(db.store.clone());
+    let metrics = idem_http::HttpMetrics::default();
+    let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), layer_config(StatusCode::CONFLICT));
+    let router = idem_http::router_with_metrics(api_state(&db.store), keys(), layer, metrics.clone());
+    let api = Api { db, base: idem_tests::serve(router).await?, http: reqwest::Client::new() };
+    let outcome = |o: &'static str| {
+        metrics.idempotency.get(&idem_http::metrics::OutcomeLabels { outcome: o }).map(|c| c.get()).unwrap_or(0)
+    };
+    let body = charge_body("pi_metrics", "3.00");
+    api.charge(KEY_A, "m-1", &body).await?;
+    assert_eq!(outcome("executed"), 1);
+    api.charge(KEY_A, "m-1", &body).await?;
+    assert_eq!(outcome("replayed"), 1);
+    api.charge(KEY_A, "m-1", &charge_body("pi_metrics_2", "3.00")).await?;
+    assert_eq!(outcome("conflict"), 1);
+    api.post("/payments", KEY_A, None, "{}").await?;
+    assert_eq!(outcome("rejected_input"), 1);
+    let created = metrics
+        .requests
+        .get(&idem_http::metrics::RequestLabels { method: "POST".into(), route: "/payments".into(), status: 201 })
+        .map(|c| c.get());
+    assert_eq!(created, Some(2), "the first execution and its replay");
+    Ok(())
+}
+
+#[tokio::test]
+async fn every_documented_api_operation_is_routed() -> anyhow::Result<()> {
+    let api = spawn().await?;
+    let doc: Value = serde_json::from_str(idem_http::OPENAPI)?;
+    let paths = doc["paths"].as_object().expect("paths");
+    let mut checked = 0;
+    for (path, ops) in paths {
+        if matches!(path.as_str(), "/healthz" | "/readyz" | "/metrics") {
+            continue; // served by the binary's operational router, checked by the fault suite
+        }
+        for method in ops.as_object().expect("operations").keys() {
+            let url = format!("{}{}", api.base, path.replace("{id}", &Uuid::now_v7().to_string()));
+            let req = match method.as_str() {
+                "get" => api.http.get(url),
+                "post" => api.http.post(url).header("content-type", "application/json").body("{}"),
+                other => panic!("undocumented method kind {other}"),
+            };
+            let reply = api.send(req.bearer_auth(KEY_A)).await?;
+            let is_fallback = reply.status == 405 || (reply.status == 404 && reply.json().get("detail").is_none());
+            assert!(!is_fallback, "{method} {path} is documented but not routed ({})", reply.status);
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 4, "POST /payments, GET /payments/{{id}}, POST /payments/{{id}}/refund, GET /openapi.json");
+    // and an undocumented route is the fallback
+    let reply = api.get("/payments", KEY_A).await?;
+    assert_eq!(reply.status, 405);
     Ok(())
 }

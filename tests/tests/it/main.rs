@@ -1,6 +1,7 @@
 //! One integration-test binary, one module per area.
 
 mod architecture;
+mod cleanup;
 mod consumer;
 mod http;
 mod outbox;

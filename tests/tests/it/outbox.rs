@@ -2,7 +2,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -14,9 +13,8 @@ use idem_kafka::consumer::{Runner, RunnerSettings};
 use idem_kafka::partitioner::partition_for_key;
 use idem_kafka::relay::{Relay, RelaySettings, RelayStats};
 use idem_ports::{
-    IdempotencyRepository, NewOutboxMessage, OutboxRepository, PaymentRepository,
-    ProcessedEventRepository, ProjectionRepository, SagaStepRepository, StoreError, SystemClock,
-    TransactionManager, UnitOfWork, UuidV7Generator,
+    IdempotencyRepository, NewOutboxMessage, OutboxRepository, PaymentRepository, ProcessedEventRepository,
+    ProjectionRepository, SagaStepRepository, StoreError, SystemClock, TransactionManager, UnitOfWork, UuidV7Generator,
 };
 use idem_postgres::{PgOutboxWakeup, PgStore};
 use idem_tests::TestDb;
@@ -99,22 +97,13 @@ async fn committed_rows_arrive_with_event_ids_and_rolled_back_rows_never() -> an
     let topic = unique_topic("payments");
     create_topic(&brokers, &topic, 3).await?;
     let saga = Uuid::now_v7();
-    let mut msgs: Vec<_> = (0..50)
-        .map(|i| {
-            message(
-                &topic,
-                &format!("order-{i}"),
-                json!({"type": "PaymentCaptured", "n": i}),
-            )
-        })
-        .collect();
+    let mut msgs: Vec<_> =
+        (0..50).map(|i| message(&topic, &format!("order-{i}"), json!({"type": "PaymentCaptured", "n": i}))).collect();
     msgs[0].saga_id = Some(saga);
     msgs[0].traceparent = Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into());
     let ids = write(&db, msgs).await?;
     let mut uow = db.store.begin().await?;
-    uow.outbox()
-        .enqueue(&message(&topic, "ghost", json!({"type": "Ghost"})))
-        .await?;
+    uow.outbox().enqueue(&message(&topic, "ghost", json!({"type": "Ghost"}))).await?;
     uow.rollback().await?;
 
     let relay = start_relay(Arc::new(db.store.clone()), &db.store, &brokers, 20).await?;
@@ -124,27 +113,14 @@ async fn committed_rows_arrive_with_event_ids_and_rolled_back_rows_never() -> an
     let got: BTreeSet<String> = event_ids(&read).into_iter().collect();
     let want: BTreeSet<String> = ids.iter().map(Uuid::to_string).collect();
     assert_eq!(got, want);
-    let first = read
-        .iter()
-        .find(|m| m.header("event_id") == Some(ids[0].to_string()))
-        .expect("first message");
+    let first = read.iter().find(|m| m.header("event_id") == Some(ids[0].to_string())).expect("first message");
     assert_eq!(first.header("saga_id"), Some(saga.to_string()));
-    assert_eq!(
-        first.header("event_type").as_deref(),
-        Some("PaymentCaptured")
-    );
-    assert_eq!(
-        first.header("content-type").as_deref(),
-        Some("application/json")
-    );
-    assert_eq!(
-        first.header("traceparent").as_deref(),
-        Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
-    );
-    let unpublished: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
-            .fetch_one(db.pool())
-            .await?;
+    assert_eq!(first.header("event_type").as_deref(), Some("PaymentCaptured"));
+    assert_eq!(first.header("content-type").as_deref(), Some("application/json"));
+    assert_eq!(first.header("traceparent").as_deref(), Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"));
+    let unpublished: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
+        .fetch_one(db.pool())
+        .await?;
     assert_eq!(unpublished, 0);
     Ok(())
 }
@@ -183,10 +159,7 @@ async fn two_relays_publish_every_row_once() -> anyhow::Result<()> {
     assert_eq!(ids.len(), 1000);
     assert_eq!(distinct.len(), 1000, "no row published twice");
     assert_eq!(distinct, all.into_iter().collect::<BTreeSet<_>>());
-    assert_eq!(
-        a_stats.published.load(Ordering::Relaxed) + b_stats.published.load(Ordering::Relaxed),
-        1000
-    );
+    assert_eq!(a_stats.published.get() + b_stats.published.get(), 1000);
     Ok(())
 }
 
@@ -210,13 +183,8 @@ async fn one_key_arrives_in_commit_order_on_its_murmur2_partition() -> anyhow::R
     let mut by_key: BTreeMap<String, Vec<(i32, i64, u64)>> = BTreeMap::new();
     for m in &read {
         let key = String::from_utf8(m.key.clone().unwrap_or_default())?;
-        let n = serde_json::from_slice::<serde_json::Value>(&m.payload)?["n"]
-            .as_u64()
-            .unwrap_or(u64::MAX);
-        by_key
-            .entry(key)
-            .or_default()
-            .push((m.partition, m.offset, n));
+        let n = serde_json::from_slice::<serde_json::Value>(&m.payload)?["n"].as_u64().unwrap_or(u64::MAX);
+        by_key.entry(key).or_default().push((m.partition, m.offset, n));
     }
     for key in keys {
         let mut seen = by_key.remove(key).unwrap_or_default();
@@ -276,8 +244,7 @@ impl UnitOfWork for DyingUow {
 }
 
 #[tokio::test]
-async fn relay_killed_after_publish_republishes_the_same_event_ids_and_consumers_dedup()
--> anyhow::Result<()> {
+async fn relay_killed_after_publish_republishes_the_same_event_ids_and_consumers_dedup() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let brokers = idem_tests::kafka_brokers().await?;
     let topic = unique_topic("orders");
@@ -286,28 +253,25 @@ async fn relay_killed_after_publish_republishes_the_same_event_ids_and_consumers
     let mut msgs = Vec::new();
     for i in 0..30 {
         let order = Uuid::now_v7();
-        msgs.push(message(&topic, &order.to_string(), json!({
-            "type": "OrderPlaced", "order_id": order, "customer_id": Uuid::now_v7(), "amount": "5.00",
-            "currency": "EUR", "provider": "stripe", "external_payment_id": format!("pi_relay_{i}"), "version": 1,
-        })));
+        msgs.push(message(
+            &topic,
+            &order.to_string(),
+            json!({
+                "type": "OrderPlaced", "order_id": order, "customer_id": Uuid::now_v7(), "amount": "5.00",
+                "currency": "EUR", "provider": "stripe", "external_payment_id": format!("pi_relay_{i}"), "version": 1,
+            }),
+        ));
     }
     let ids = write(&db, msgs).await?;
 
-    let dying = start_relay(
-        Arc::new(DieBeforeCommit(db.store.clone())),
-        &db.store,
-        &brokers,
-        100,
-    )
-    .await?;
+    let dying = start_relay(Arc::new(DieBeforeCommit(db.store.clone())), &db.store, &brokers, 100).await?;
     let first = read_topic(&brokers, &topic, 30, Duration::from_secs(15)).await?;
     assert_eq!(first.len(), 30, "published before the crash");
     dying.task.abort(); // the crash: its claim transaction rolls back, rows stay unpublished
     let _ = dying.task.await;
-    let unpublished: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
-            .fetch_one(db.pool())
-            .await?;
+    let unpublished: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
+        .fetch_one(db.pool())
+        .await?;
     assert_eq!(unpublished, 30);
 
     let relay = start_relay(Arc::new(db.store.clone()), &db.store, &brokers, 100).await?;
@@ -319,22 +283,12 @@ async fn relay_killed_after_publish_republishes_the_same_event_ids_and_consumers
         *counts.entry(id).or_default() += 1;
     }
     assert_eq!(counts.len(), 30);
-    assert!(
-        counts.values().all(|c| *c == 2),
-        "the re-publish carries the same event_id"
-    );
-    assert_eq!(
-        counts.keys().cloned().collect::<BTreeSet<_>>(),
-        ids.iter().map(Uuid::to_string).collect()
-    );
+    assert!(counts.values().all(|c| *c == 2), "the re-publish carries the same event_id");
+    assert_eq!(counts.keys().cloned().collect::<BTreeSet<_>>(), ids.iter().map(Uuid::to_string).collect());
 
     // the consumer dedups the re-published events: one payment per order
-    let mut settings = RunnerSettings::new(
-        &brokers,
-        &unique_topic("g"),
-        &topic,
-        TtlPolicy::new(Duration::from_secs(72 * 3600))?,
-    );
+    let mut settings =
+        RunnerSettings::new(&brokers, &unique_topic("g"), &topic, TtlPolicy::new(Duration::from_secs(72 * 3600))?);
     settings.consumer.session_timeout = Duration::from_millis(6000);
     let handler = Arc::new(OrderEventHandler {
         clock: Arc::new(SystemClock),
@@ -342,29 +296,15 @@ async fn relay_killed_after_publish_republishes_the_same_event_ids_and_consumers
         payments_topic: "payments".into(),
         merchant_id: "orders".into(),
     });
-    let runner = Runner::new(
-        settings,
-        Arc::new(db.store.clone()),
-        Arc::new(SystemClock),
-        handler,
-    );
+    let runner = Runner::new(settings, Arc::new(db.store.clone()), Arc::new(SystemClock), handler);
     let stats = runner.stats();
     let stop = CancellationToken::new();
     let task = tokio::spawn(runner.run(stop.clone()));
-    assert!(
-        eventually(Duration::from_secs(60), || async {
-            Ok(stats.received.load(Ordering::Relaxed) >= 60)
-        })
-        .await?
-    );
+    assert!(eventually(Duration::from_secs(60), || async { Ok(stats.received.get() >= 60) }).await?);
     stop.cancel();
     let _ = task.await;
-    assert_eq!(
-        db.count("payment").await?,
-        30,
-        "zero duplicate effects end to end"
-    );
-    assert_eq!(stats.duplicates.load(Ordering::Relaxed), 30);
+    assert_eq!(db.count("payment").await?, 30, "zero duplicate effects end to end");
+    assert_eq!(stats.duplicates.get(), 30);
     Ok(())
 }
 
@@ -375,38 +315,19 @@ async fn broker_outage_loses_nothing() -> anyhow::Result<()> {
     let topic = unique_topic("payments");
     create_topic(&broker.bootstrap, &topic, 2).await?;
     let relay = start_relay(Arc::new(db.store.clone()), &db.store, &broker.bootstrap, 20).await?;
-    let before = write(
-        &db,
-        (0..10)
-            .map(|i| message(&topic, &format!("k{i}"), json!({"type": "T", "n": i})))
-            .collect(),
-    )
-    .await?;
+    let before =
+        write(&db, (0..10).map(|i| message(&topic, &format!("k{i}"), json!({"type": "T", "n": i}))).collect()).await?;
     let stats = relay.stats.clone();
-    assert!(
-        eventually(Duration::from_secs(20), || async {
-            Ok(stats.published.load(Ordering::Relaxed) >= 10)
-        })
-        .await?
-    );
+    assert!(eventually(Duration::from_secs(20), || async { Ok(stats.published.get() >= 10) }).await?);
 
     broker.proxy.cut();
-    let during = write(
-        &db,
-        (10..40)
-            .map(|i| message(&topic, &format!("k{i}"), json!({"type": "T", "n": i})))
-            .collect(),
-    )
-    .await?;
+    let during =
+        write(&db, (10..40).map(|i| message(&topic, &format!("k{i}"), json!({"type": "T", "n": i}))).collect()).await?;
     tokio::time::sleep(Duration::from_secs(7)).await; // longer than the delivery timeout: publishes fail
-    let unpublished: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
-            .fetch_one(db.pool())
-            .await?;
-    assert_eq!(
-        unpublished, 30,
-        "rows written during the outage stay unpublished"
-    );
+    let unpublished: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
+        .fetch_one(db.pool())
+        .await?;
+    assert_eq!(unpublished, 30, "rows written during the outage stay unpublished");
     broker.proxy.restore();
 
     let store = db.store.clone();
@@ -414,11 +335,9 @@ async fn broker_outage_loses_nothing() -> anyhow::Result<()> {
         eventually(Duration::from_secs(60), || {
             let store = store.clone();
             async move {
-                Ok(sqlx::query_scalar::<_, i64>(
-                    "SELECT count(*) FROM outbox_message WHERE published_at IS NULL",
-                )
-                .fetch_one(store.pool())
-                .await?
+                Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
+                    .fetch_one(store.pool())
+                    .await?
                     == 0)
             }
         })
@@ -428,11 +347,7 @@ async fn broker_outage_loses_nothing() -> anyhow::Result<()> {
     relay.stop().await;
     let read = read_topic(&broker.bootstrap, &topic, 1000, Duration::from_secs(10)).await?;
     let got: BTreeSet<String> = event_ids(&read).into_iter().collect();
-    let want: BTreeSet<String> = before
-        .iter()
-        .chain(during.iter())
-        .map(Uuid::to_string)
-        .collect();
+    let want: BTreeSet<String> = before.iter().chain(during.iter()).map(Uuid::to_string).collect();
     assert_eq!(got, want, "every row arrived");
     Ok(())
 }
@@ -447,13 +362,7 @@ async fn a_saga_step_run_twice_has_one_effect() -> anyhow::Result<()> {
         match begin_step(uow.as_mut(), &step, Utc::now()).await? {
             StepStart::Run => {
                 runs += 1;
-                uow.outbox()
-                    .enqueue(&message(
-                        "stock",
-                        "order-1",
-                        json!({"type": "StockReserved"}),
-                    ))
-                    .await?;
+                uow.outbox().enqueue(&message("stock", "order-1", json!({"type": "StockReserved"}))).await?;
                 finish_step(uow.as_mut(), &step, &json!({"attempt": attempt})).await?;
             }
             StepStart::Done(outcome) => {

@@ -7,9 +7,8 @@ use chrono::Utc;
 use idem_domain::usecases::{ChargeCommand, ChargeOutcome, Env, charge_payment};
 use idem_domain::{Amount, Currency, Money};
 use idem_ports::{
-    ClaimOutcome, Clock, IdGenerator, IdempotencyClaim, IdempotencyState, NewPayment,
-    PaymentStatus, ProcessedEvent, StoreError, StoredResponse, SystemClock, TransactionManager,
-    UuidV7Generator,
+    ClaimOutcome, Clock, IdGenerator, IdempotencyClaim, IdempotencyState, NewPayment, PaymentStatus, ProcessedEvent,
+    StoreError, StoredResponse, SystemClock, TransactionManager, UuidV7Generator,
 };
 use idem_tests::TestDb;
 use rust_decimal::Decimal;
@@ -35,9 +34,7 @@ async fn failure_after_business_insert_leaves_nothing_behind() -> anyhow::Result
     let db = TestDb::new().await?;
     {
         let mut uow = db.store.begin().await?;
-        uow.payments()
-            .insert(&new_payment("stripe", "pi_rollback"))
-            .await?;
+        uow.payments().insert(&new_payment("stripe", "pi_rollback")).await?;
         let claim = IdempotencyClaim {
             scope: "merchant_a".into(),
             key: "k1".into(),
@@ -45,9 +42,7 @@ async fn failure_after_business_insert_leaves_nothing_behind() -> anyhow::Result
             created_at: Utc::now(),
             expires_at: Utc::now() + chrono::Duration::hours(48),
         };
-        uow.idempotency()
-            .claim(&claim, Utc::now(), Duration::from_secs(1))
-            .await?;
+        uow.idempotency().claim(&claim, Utc::now(), Duration::from_secs(1)).await?;
         // the handler fails here: the unit is dropped without commit
     }
     assert_eq!(db.count("payment").await?, 0);
@@ -55,9 +50,7 @@ async fn failure_after_business_insert_leaves_nothing_behind() -> anyhow::Result
 
     // and an explicit rollback does the same
     let mut uow = db.store.begin().await?;
-    uow.payments()
-        .insert(&new_payment("stripe", "pi_rollback"))
-        .await?;
+    uow.payments().insert(&new_payment("stripe", "pi_rollback")).await?;
     uow.rollback().await?;
     assert_eq!(db.count("payment").await?, 0);
     Ok(())
@@ -67,17 +60,11 @@ async fn failure_after_business_insert_leaves_nothing_behind() -> anyhow::Result
 async fn unique_violation_maps_to_the_port_error() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let mut uow = db.store.begin().await?;
-    uow.payments()
-        .insert(&new_payment("stripe", "pi_dup"))
-        .await?;
+    uow.payments().insert(&new_payment("stripe", "pi_dup")).await?;
     uow.commit().await?;
 
     let mut uow = db.store.begin().await?;
-    let err = uow
-        .payments()
-        .insert(&new_payment("stripe", "pi_dup"))
-        .await
-        .expect_err("duplicate");
+    let err = uow.payments().insert(&new_payment("stripe", "pi_dup")).await.expect_err("duplicate");
     match err {
         StoreError::UniqueViolation { constraint } => {
             assert_eq!(constraint, "payment_provider_external_id_key")
@@ -87,9 +74,7 @@ async fn unique_violation_maps_to_the_port_error() -> anyhow::Result<()> {
     drop(uow);
     // another provider with the same external id is a different payment
     let mut uow = db.store.begin().await?;
-    uow.payments()
-        .insert(&new_payment("adyen", "pi_dup"))
-        .await?;
+    uow.payments().insert(&new_payment("adyen", "pi_dup")).await?;
     uow.commit().await?;
     assert_eq!(db.count("payment").await?, 2);
     Ok(())
@@ -100,29 +85,15 @@ async fn twenty_concurrent_charges_create_one_payment() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let order = Uuid::now_v7();
     let customer = Uuid::now_v7();
-    let money = Money {
-        amount: Amount::parse("99.99")?,
-        currency: Currency::parse("EUR")?,
-    };
-    let cmd = Arc::new(ChargeCommand::new(
-        "merchant_a",
-        order,
-        customer,
-        "stripe",
-        "pi_race",
-        money,
-    )?);
+    let money = Money { amount: Amount::parse("99.99")?, currency: Currency::parse("EUR")? };
+    let cmd = Arc::new(ChargeCommand::new("merchant_a", order, customer, "stripe", "pi_race", money)?);
     let barrier = Arc::new(tokio::sync::Barrier::new(20));
     let mut tasks = Vec::new();
     for _ in 0..20 {
         let (store, cmd, barrier) = (db.store.clone(), cmd.clone(), barrier.clone());
         tasks.push(tokio::spawn(async move {
             let (clock, ids) = (SystemClock, UuidV7Generator);
-            let env = Env {
-                clock: &clock as &dyn Clock,
-                ids: &ids as &dyn IdGenerator,
-                payments_topic: "payments",
-            };
+            let env = Env { clock: &clock as &dyn Clock, ids: &ids as &dyn IdGenerator, payments_topic: "payments" };
             let mut uow = store.begin().await?;
             barrier.wait().await;
             let out = charge_payment(uow.as_mut(), env, &cmd).await?;
@@ -142,11 +113,7 @@ async fn twenty_concurrent_charges_create_one_payment() -> anyhow::Result<()> {
     assert_eq!(created, 1, "exactly one caller creates the payment");
     assert_eq!(ids.len(), 1, "all 20 callers get the same payment");
     assert_eq!(db.count("payment").await?, 1);
-    assert_eq!(
-        db.count("outbox_message").await?,
-        1,
-        "one announcement, not twenty"
-    );
+    assert_eq!(db.count("outbox_message").await?, 1, "one announcement, not twenty");
     Ok(())
 }
 
@@ -162,21 +129,11 @@ async fn idempotency_claim_waits_for_the_holder_then_sees_its_record() -> anyhow
         expires_at: now + chrono::Duration::hours(48),
     };
     let mut first = db.store.begin().await?;
-    assert_eq!(
-        first
-            .idempotency()
-            .claim(&claim, now, Duration::from_secs(1))
-            .await?,
-        ClaimOutcome::Claimed
-    );
+    assert_eq!(first.idempotency().claim(&claim, now, Duration::from_secs(1)).await?, ClaimOutcome::Claimed);
 
     // a second claim while the first is uncommitted times out after the bounded wait
     let mut second = db.store.begin().await?;
-    let err = second
-        .idempotency()
-        .claim(&claim, now, Duration::from_millis(200))
-        .await
-        .expect_err("held");
+    let err = second.idempotency().claim(&claim, now, Duration::from_millis(200)).await.expect_err("held");
     assert!(matches!(err, StoreError::LockTimeout), "got {err:?}");
     drop(second);
 
@@ -185,10 +142,7 @@ async fn idempotency_claim_waits_for_the_holder_then_sees_its_record() -> anyhow
     let claim2 = claim.clone();
     let waiter = tokio::spawn(async move {
         let mut third = store.begin().await?;
-        let out = third
-            .idempotency()
-            .claim(&claim2, now, Duration::from_secs(5))
-            .await?;
+        let out = third.idempotency().claim(&claim2, now, Duration::from_secs(5)).await?;
         anyhow::Ok(out)
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -197,10 +151,7 @@ async fn idempotency_claim_waits_for_the_holder_then_sees_its_record() -> anyhow
         headers: vec![("content-type".into(), "application/json".into())],
         body: b"{\"ok\":true}".to_vec(),
     };
-    first
-        .idempotency()
-        .complete("merchant_a", "key-1", &response)
-        .await?;
+    first.idempotency().complete("merchant_a", "key-1", &response).await?;
     first.commit().await?;
     match waiter.await?? {
         ClaimOutcome::Existing(rec) => {
@@ -212,34 +163,15 @@ async fn idempotency_claim_waits_for_the_holder_then_sees_its_record() -> anyhow
 
     // another scope with the same key is independent
     let mut other = db.store.begin().await?;
-    let claim_b = IdempotencyClaim {
-        scope: "merchant_b".into(),
-        ..claim.clone()
-    };
-    assert_eq!(
-        other
-            .idempotency()
-            .claim(&claim_b, now, Duration::from_secs(1))
-            .await?,
-        ClaimOutcome::Claimed
-    );
+    let claim_b = IdempotencyClaim { scope: "merchant_b".into(), ..claim.clone() };
+    assert_eq!(other.idempotency().claim(&claim_b, now, Duration::from_secs(1)).await?, ClaimOutcome::Claimed);
     drop(other);
 
     // once expired, the key can be claimed again
     let later = now + chrono::Duration::hours(49);
     let mut again = db.store.begin().await?;
-    let renewed = IdempotencyClaim {
-        created_at: later,
-        expires_at: later + chrono::Duration::hours(48),
-        ..claim
-    };
-    assert_eq!(
-        again
-            .idempotency()
-            .claim(&renewed, later, Duration::from_secs(1))
-            .await?,
-        ClaimOutcome::Claimed
-    );
+    let renewed = IdempotencyClaim { created_at: later, expires_at: later + chrono::Duration::hours(48), ..claim };
+    assert_eq!(again.idempotency().claim(&renewed, later, Duration::from_secs(1)).await?, ClaimOutcome::Claimed);
     Ok(())
 }
 
@@ -250,15 +182,9 @@ async fn processed_events_dedup_a_batch_in_one_statement() -> anyhow::Result<()>
     let exp = now + chrono::Duration::hours(72);
     let a = Uuid::now_v7();
     let b = Uuid::now_v7();
-    let ev = |id| ProcessedEvent {
-        event_id: id,
-        topic: "orders".into(),
-    };
+    let ev = |id| ProcessedEvent { event_id: id, topic: "orders".into() };
     let mut uow = db.store.begin().await?;
-    let mut fresh = uow
-        .processed_events()
-        .record_new("payment-service", &[ev(a), ev(b), ev(a)], now, exp)
-        .await?;
+    let mut fresh = uow.processed_events().record_new("payment-service", &[ev(a), ev(b), ev(a)], now, exp).await?;
     fresh.sort();
     let mut want = vec![a, b];
     want.sort();
@@ -267,19 +193,9 @@ async fn processed_events_dedup_a_batch_in_one_statement() -> anyhow::Result<()>
 
     let mut uow = db.store.begin().await?;
     let c = Uuid::now_v7();
-    assert_eq!(
-        uow.processed_events()
-            .record_new("payment-service", &[ev(a), ev(c)], now, exp)
-            .await?,
-        vec![c]
-    );
+    assert_eq!(uow.processed_events().record_new("payment-service", &[ev(a), ev(c)], now, exp).await?, vec![c]);
     // another consumer group never dedups against this one
-    assert_eq!(
-        uow.processed_events()
-            .record_new("analytics", &[ev(a)], now, exp)
-            .await?,
-        vec![a]
-    );
+    assert_eq!(uow.processed_events().record_new("analytics", &[ev(a)], now, exp).await?, vec![a]);
     uow.commit().await?;
     assert_eq!(db.count("processed_event").await?, 4);
     Ok(())
@@ -291,13 +207,8 @@ async fn saga_steps_and_projection_versions() -> anyhow::Result<()> {
     let saga = Uuid::now_v7();
     let now = Utc::now();
     let mut uow = db.store.begin().await?;
-    assert_eq!(
-        uow.saga_steps().claim(saga, "refund", now).await?,
-        idem_ports::SagaStepClaim::Claimed
-    );
-    uow.saga_steps()
-        .complete(saga, "refund", &serde_json::json!({"refund_id": "r1"}))
-        .await?;
+    assert_eq!(uow.saga_steps().claim(saga, "refund", now).await?, idem_ports::SagaStepClaim::Claimed);
+    uow.saga_steps().complete(saga, "refund", &serde_json::json!({"refund_id": "r1"})).await?;
     uow.commit().await?;
     let mut uow = db.store.begin().await?;
     assert_eq!(
@@ -306,26 +217,10 @@ async fn saga_steps_and_projection_versions() -> anyhow::Result<()> {
     );
 
     let order = Uuid::now_v7();
-    assert!(
-        uow.projections()
-            .apply_order_version(order, 2, "placed", now)
-            .await?
-    );
-    assert!(
-        !uow.projections()
-            .apply_order_version(order, 1, "older", now)
-            .await?
-    );
-    assert!(
-        !uow.projections()
-            .apply_order_version(order, 2, "repeat", now)
-            .await?
-    );
-    assert!(
-        uow.projections()
-            .apply_order_version(order, 3, "cancelled", now)
-            .await?
-    );
+    assert!(uow.projections().apply_order_version(order, 2, "placed", now).await?);
+    assert!(!uow.projections().apply_order_version(order, 1, "older", now).await?);
+    assert!(!uow.projections().apply_order_version(order, 2, "repeat", now).await?);
+    assert!(uow.projections().apply_order_version(order, 3, "cancelled", now).await?);
     uow.commit().await?;
     let (version, status): (i64, String) =
         sqlx::query_as("SELECT version, status FROM order_projection WHERE order_id = $1")

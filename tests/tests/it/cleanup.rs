@@ -1,0 +1,112 @@
+//! The TTL cleaner against real PostgreSQL.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use idem_postgres::cleanup::{Cleaner, CleanupSettings, ExpiringTable, TableLabels};
+use idem_tests::TestDb;
+use tokio_util::sync::CancellationToken;
+
+/// Inserts `n` rows into each expiring table, expiring at `expires_at`.
+async fn seed(db: &TestDb, n: i64, expires_at: DateTime<Utc>, tag: &str) -> anyhow::Result<()> {
+    sqlx::query(
+        "INSERT INTO idempotency_record (scope, key, command_hash, state, status_code, response_body, created_at, expires_at)
+         SELECT 'm', $3 || g, sha256(g::text::bytea), 'completed', 201, '\\x7b7d', now(), $1 FROM generate_series(1, $2) g",
+    )
+    .bind(expires_at)
+    .bind(n)
+    .bind(tag)
+    .execute(db.pool())
+    .await?;
+    sqlx::query(
+        "INSERT INTO processed_event (consumer_name, event_id, topic, created_at, expires_at)
+         SELECT 'g', gen_random_uuid(), 'orders', now(), $1 FROM generate_series(1, $2)",
+    )
+    .bind(expires_at)
+    .bind(n)
+    .execute(db.pool())
+    .await?;
+    sqlx::query(
+        "INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, created_at, published_at, expires_at)
+         SELECT gen_random_uuid(), 'payments', 'payment', 'k', 'T', '{}', now(), now(), $1 FROM generate_series(1, $2)",
+    )
+    .bind(expires_at)
+    .bind(n)
+    .execute(db.pool())
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn expired_rows_go_live_rows_stay_in_bounded_batches() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let now = Utc::now();
+    seed(&db, 250, now - chrono::Duration::hours(1), "old").await?;
+    seed(&db, 40, now + chrono::Duration::hours(1), "live").await?;
+    // an unpublished outbox row is never deleted, whatever its expiry
+    sqlx::query("INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, created_at) VALUES (gen_random_uuid(), 'p', 'payment', 'k', 'T', '{}', now())")
+        .execute(db.pool())
+        .await?;
+
+    let settings = CleanupSettings { batch_size: 100, max_batches: 2, pause: Duration::ZERO };
+    let cleaner = Cleaner::new(db.store.clone(), settings);
+    let first = cleaner.run_once(now).await?.expect("lock free");
+    for (table, n) in &first.deleted {
+        assert_eq!(*n, 200, "{}: at most max_batches × batch_size per round", table.name());
+    }
+    let second = cleaner.run_once(now).await?.expect("lock free");
+    assert!(second.deleted.iter().all(|(_, n)| *n == 50), "{second:?}");
+    assert_eq!(db.count("idempotency_record").await?, 40);
+    assert_eq!(db.count("processed_event").await?, 40);
+    assert_eq!(db.count("outbox_message").await?, 41);
+    let deleted =
+        cleaner.stats().deleted.get_or_create(&TableLabels { table: ExpiringTable::ProcessedEvent.name() }).get();
+    assert_eq!(deleted, 250, "the metric counts what was removed");
+    Ok(())
+}
+
+#[tokio::test]
+async fn only_one_instance_cleans_at_a_time() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    seed(&db, 10, Utc::now() - chrono::Duration::hours(1), "x").await?;
+    let mut holder = db.pool().acquire().await?;
+    sqlx::query("SELECT pg_advisory_lock(7594306392147387758)").execute(&mut *holder).await?;
+    let cleaner = Cleaner::new(db.store.clone(), CleanupSettings::default());
+    assert!(cleaner.run_once(Utc::now()).await?.is_none(), "the other instance holds the lock");
+    assert_eq!(db.count("processed_event").await?, 10);
+    sqlx::query("SELECT pg_advisory_unlock(7594306392147387758)").execute(&mut *holder).await?;
+    assert!(cleaner.run_once(Utc::now()).await?.is_some());
+    assert_eq!(db.count("processed_event").await?, 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_failed_round_does_not_stop_the_next() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    seed(&db, 10, Utc::now() - chrono::Duration::hours(1), "x").await?;
+    sqlx::query("ALTER TABLE processed_event RENAME TO processed_event_away").execute(db.pool()).await?;
+    let cleaner = std::sync::Arc::new(Cleaner::new(db.store.clone(), CleanupSettings::default()));
+    let stop = CancellationToken::new();
+    let task = {
+        let (cleaner, stop) = (cleaner.clone(), stop.clone());
+        tokio::spawn(async move { cleaner.run(Duration::from_millis(100), stop).await })
+    };
+    let stats = cleaner.stats();
+    let failed =
+        idem_tests::kafka::eventually(Duration::from_secs(10), || async { Ok(stats.failed_rounds.get() >= 1) }).await?;
+    assert!(failed, "the round fails while the table is away");
+    sqlx::query("ALTER TABLE processed_event_away RENAME TO processed_event").execute(db.pool()).await?;
+    let store = db.store.clone();
+    let recovered = idem_tests::kafka::eventually(Duration::from_secs(10), || {
+        let store = store.clone();
+        async move {
+            Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM processed_event").fetch_one(store.pool()).await? == 0)
+        }
+    })
+    .await?;
+    stop.cancel();
+    task.await?;
+    assert!(recovered, "a later round cleaned up");
+    assert!(stats.rounds.get() >= 1);
+    Ok(())
+}
