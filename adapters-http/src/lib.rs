@@ -5,6 +5,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod client;
 pub mod idempotency;
 pub mod metrics;
 pub mod problem;

@@ -2,6 +2,7 @@
 //! tasks.
 
 mod config;
+mod demo;
 mod ops;
 mod tasks;
 
@@ -51,6 +52,10 @@ enum Command {
     Relay(Box<RelayOnlyArgs>),
     /// Delete expired idempotency records, processed events and published outbox rows.
     Cleanup(CleanupArgs),
+    /// Charge a payment through the running service (one key per operation, retried safely).
+    Pay(Box<demo::PayArgs>),
+    /// Run a scripted scenario against the running service and print what happened.
+    Demo(Box<demo::DemoArgs>),
 }
 
 #[derive(Debug, clap::Args)]
@@ -293,6 +298,8 @@ async fn main() -> ExitCode {
         Command::Migrate(db) => migrate(db).await,
         Command::Relay(args) => relay_only(*args).await,
         Command::Cleanup(args) => cleanup_once(args).await,
+        Command::Pay(args) => demo::pay(*args).await,
+        Command::Demo(args) => demo::demo(*args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

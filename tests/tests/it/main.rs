@@ -2,6 +2,7 @@
 
 mod architecture;
 mod cleanup;
+mod client;
 mod consumer;
 mod http;
 mod outbox;
