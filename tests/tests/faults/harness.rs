@@ -1,0 +1,272 @@
+//! Running the binary, driving load, checking invariants.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use idem_http::client::{ChargeRequest, IdemClient, RetryPolicy};
+use idem_tests::TestDb;
+use idem_tests::kafka::{read_topic, unique_topic};
+use tokio::sync::Mutex;
+use uuid::Uuid;
+
+pub const API_KEY: &str = "faults_key_0123456789";
+
+pub fn full() -> bool {
+    std::env::var("FAULTS_SCALE").is_ok_and(|v| v == "full")
+}
+
+/// Picks `small` in CI, `large` at full size.
+pub fn scale(small: usize, large: usize) -> usize {
+    if full() { large } else { small }
+}
+
+fn idem_bin() -> std::path::PathBuf {
+    std::env::var_os("IDEM_BIN").map(Into::into).unwrap_or_else(|| {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
+        let release = dir.join("release/idem");
+        let debug = dir.join("debug/idem");
+        if debug.exists() { debug } else { release }
+    })
+}
+
+/// One `idem serve` process and what it needs to be restarted identically.
+pub struct Service {
+    child: Option<Child>,
+    env: Vec<(String, String)>,
+    pub base: String,
+    pub orders_topic: String,
+    pub payments_topic: String,
+    pub group: String,
+}
+
+impl Service {
+    /// Environment for a service on `db` and `brokers` with fresh topics and group.
+    pub fn new(database_url: &str, brokers: &str) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let orders_topic = unique_topic("f-orders");
+        let payments_topic = unique_topic("f-payments");
+        let group = unique_topic("f-group");
+        let env = vec![
+            ("DATABASE_URL".into(), database_url.to_owned()),
+            ("KAFKA_BROKERS".into(), brokers.to_owned()),
+            ("HTTP_ADDR".into(), format!("127.0.0.1:{port}")),
+            ("IDEM_API_KEYS".into(), format!("faults:{API_KEY}")),
+            ("KAFKA_ORDERS_TOPIC".into(), orders_topic.clone()),
+            ("KAFKA_PAYMENTS_TOPIC".into(), payments_topic.clone()),
+            ("KAFKA_GROUP_ID".into(), group.clone()),
+            ("KAFKA_SESSION_TIMEOUT".into(), "6s".into()),
+            ("KAFKA_TOPIC_PARTITIONS".into(), "3".into()),
+            ("ORDERS_MERCHANT_ID".into(), "faults".into()),
+            ("OUTBOX_POLL_INTERVAL".into(), "200ms".into()),
+            ("DATABASE_MAX_CONNECTIONS".into(), "20".into()),
+            ("RUST_LOG".into(), "warn".into()),
+        ];
+        Self { child: None, env, base: format!("http://127.0.0.1:{port}"), orders_topic, payments_topic, group }
+    }
+
+    pub fn with_env(mut self, key: &str, value: &str) -> Self {
+        self.env.retain(|(k, _)| k != key);
+        self.env.push((key.to_owned(), value.to_owned()));
+        self
+    }
+
+    pub async fn start(&mut self) -> anyhow::Result<()> {
+        let mut cmd = Command::new(idem_bin());
+        cmd.arg("serve").stdout(Stdio::null()).stderr(if std::env::var_os("FAULTS_LOG").is_some() {
+            Stdio::inherit()
+        } else {
+            Stdio::null()
+        });
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        self.child = Some(cmd.spawn()?);
+        let http = reqwest::Client::new();
+        for _ in 0..300 {
+            if http.get(format!("{}/healthz", self.base)).send().await.is_ok() {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        anyhow::bail!("idem did not come up")
+    }
+
+    /// `kill -9`: no shutdown, no drain.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait for the graceful exit; returns whether it exited successfully.
+    pub fn terminate(&mut self) -> bool {
+        match self.child.take() {
+            Some(mut c) => {
+                let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
+                c.wait().map(|s| s.success()).unwrap_or(false)
+            }
+            None => true,
+        }
+    }
+
+    pub fn client(&self) -> IdemClient {
+        let policy = RetryPolicy {
+            max_attempts: 200,
+            base_delay: Duration::from_millis(50),
+            max_delay: Duration::from_millis(500),
+            timeout: Duration::from_secs(5),
+        };
+        IdemClient::new(&self.base, API_KEY, policy).unwrap()
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// What the clients saw succeed.
+#[derive(Default)]
+pub struct Ledger {
+    /// external payment id → payment ids the client was given (must be one, and exist once)
+    pub charges: Mutex<BTreeMap<String, BTreeSet<String>>>,
+}
+
+impl Ledger {
+    pub async fn record(&self, external: &str, payment_id: &str) {
+        self.charges.lock().await.entry(external.to_owned()).or_default().insert(payment_id.to_owned());
+    }
+}
+
+pub fn charge_request(external: &str) -> ChargeRequest {
+    ChargeRequest {
+        order_id: Uuid::now_v7(),
+        customer_id: Uuid::now_v7(),
+        provider: "faults".into(),
+        external_payment_id: external.to_owned(),
+        amount: "10.00".into(),
+        currency: "EUR".into(),
+    }
+}
+
+/// Result of the invariant checks.
+#[derive(Debug, Default, Clone)]
+pub struct Findings {
+    pub duplicates: usize,
+    pub lost: usize,
+    pub details: Vec<String>,
+}
+
+impl Findings {
+    fn dup(&mut self, what: String) {
+        self.duplicates += 1;
+        self.details.push(format!("duplicate: {what}"));
+    }
+    fn lost(&mut self, what: String) {
+        self.lost += 1;
+        self.details.push(format!("lost: {what}"));
+    }
+}
+
+/// Invariants 1 and 2 for HTTP charges, 2 for Kafka-driven payments and refunds, 3 for the outbox.
+pub async fn check(
+    db: &TestDb,
+    ledger: &Ledger,
+    service: &Service,
+    brokers: &str,
+    orders: &BTreeSet<Uuid>,
+) -> anyhow::Result<Findings> {
+    let mut f = Findings::default();
+    // invariant 1: every acknowledged charge exists exactly once, as the payment the client was given
+    for (external, ids) in ledger.charges.lock().await.iter() {
+        if ids.len() != 1 {
+            f.dup(format!("{external} answered with {} different payments", ids.len()));
+        }
+        let rows: Vec<String> = sqlx::query_scalar("SELECT id::text FROM payment WHERE external_payment_id = $1")
+            .bind(external)
+            .fetch_all(db.pool())
+            .await?;
+        match rows.len() {
+            0 => f.lost(format!("{external} acknowledged but not stored")),
+            1 if !ids.contains(&rows[0]) => {
+                f.lost(format!("{external}: stored payment differs from the acknowledged one"))
+            }
+            1 => {}
+            n => f.dup(format!("{external} stored {n} times")),
+        }
+    }
+    // invariant 2: one payment per order from events, at most one refund per payment, no double captures
+    let doubled: Vec<(Uuid, i64)> =
+        sqlx::query_as("SELECT order_id, count(*) FROM payment GROUP BY order_id HAVING count(*) > 1")
+            .fetch_all(db.pool())
+            .await?;
+    for (order, n) in doubled {
+        f.dup(format!("order {order} has {n} payments"));
+    }
+    let refunds: Vec<(Uuid, i64)> =
+        sqlx::query_as("SELECT payment_id, count(*) FROM refund GROUP BY payment_id HAVING count(*) > 1")
+            .fetch_all(db.pool())
+            .await?;
+    for (payment, n) in refunds {
+        f.dup(format!("payment {payment} refunded {n} times"));
+    }
+    for order in orders {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM payment WHERE order_id = $1")
+            .bind(order)
+            .fetch_one(db.pool())
+            .await?;
+        if n == 0 {
+            f.lost(format!("event-driven order {order} has no payment"));
+        }
+    }
+    // invariant 3: every committed outbox row published, each event id once after dedup
+    let store = db.store.clone();
+    let drained = idem_tests::kafka::eventually(Duration::from_secs(60), || {
+        let store = store.clone();
+        async move {
+            Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
+                .fetch_one(store.pool())
+                .await?
+                == 0)
+        }
+    })
+    .await?;
+    if !drained {
+        f.lost("outbox rows still unpublished after 60 s".into());
+    }
+    let rows: BTreeSet<String> =
+        sqlx::query_scalar("SELECT id::text FROM outbox_message").fetch_all(db.pool()).await?.into_iter().collect();
+    let mut read = read_topic(brokers, &service.payments_topic, rows.len(), Duration::from_secs(30)).await?;
+    let mut published: BTreeSet<String> = read.iter().filter_map(|m| m.header("event_id")).collect();
+    if !rows.is_subset(&published) {
+        // re-published rows (after a crash) take room in the first read: read more
+        read = read_topic(brokers, &service.payments_topic, rows.len() * 3, Duration::from_secs(10)).await?;
+        published = read.iter().filter_map(|m| m.header("event_id")).collect();
+    }
+    for id in rows.difference(&published) {
+        f.lost(format!("outbox row {id} never arrived on {}", service.payments_topic));
+    }
+    Ok(f)
+}
+
+/// One line of the summary table.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    pub scenario: &'static str,
+    pub operations: usize,
+    pub faults: usize,
+    pub findings: Findings,
+}
+
+pub fn print(summary: &Summary) {
+    println!(
+        "| {:<44} | {:>10} | {:>6} | {:>10} | {:>5} |",
+        summary.scenario, summary.operations, summary.faults, summary.findings.duplicates, summary.findings.lost
+    );
+    for d in summary.findings.details.iter().take(10) {
+        println!("|   {d}");
+    }
+}

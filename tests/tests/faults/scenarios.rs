@@ -1,0 +1,458 @@
+//! The scenarios. Each prints its summary line and fails on any duplicate or loss.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_tests::TestDb;
+use idem_tests::kafka::{ProxiedBroker, TcpProxy, eventually, produce, producer};
+use serde_json::json;
+use uuid::Uuid;
+
+use crate::harness::{API_KEY, Ledger, Service, Summary, charge_request, check, print, scale};
+
+/// Produces `orders` OrderPlaced events, 30 % of them sent twice with the same event_id, and for every
+/// tenth order an OrderCancelled sent twice under one saga id.
+async fn event_load(
+    brokers: &str,
+    topic: &str,
+    orders: usize,
+) -> anyhow::Result<(BTreeSet<Uuid>, BTreeSet<Uuid>, usize)> {
+    let p = producer(brokers)?;
+    let (mut placed, mut cancelled, mut sent) = (BTreeSet::new(), BTreeSet::new(), 0);
+    for i in 0..orders {
+        let order = Uuid::now_v7();
+        let key = order.to_string();
+        let body = json!({
+            "type": "OrderPlaced", "order_id": order, "customer_id": Uuid::now_v7(), "amount": "20.00",
+            "currency": "EUR", "provider": "faults-kafka", "external_payment_id": format!("ev_{order}"), "version": 1,
+        })
+        .to_string();
+        let id = Uuid::now_v7().to_string();
+        let copies = if i % 10 < 3 { 2 } else { 1 };
+        for _ in 0..copies {
+            send_retrying(&p, topic, &key, &body, &[("event_id", &id)]).await?;
+            sent += 1;
+        }
+        placed.insert(order);
+        if i % 10 == 9 {
+            let saga = Uuid::now_v7().to_string();
+            let cancel = json!({ "type": "OrderCancelled", "order_id": order, "version": 2 }).to_string();
+            for _ in 0..2 {
+                let id = Uuid::now_v7().to_string();
+                send_retrying(&p, topic, &key, &cancel, &[("event_id", &id), ("saga_id", &saga)]).await?;
+                sent += 1;
+            }
+            cancelled.insert(order);
+        }
+    }
+    Ok((placed, cancelled, sent))
+}
+
+/// Producing through a proxy that may be cut: retry until acknowledged (a duplicate is fine: same id).
+async fn send_retrying(
+    p: &rdkafka::producer::FutureProducer,
+    topic: &str,
+    key: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> anyhow::Result<()> {
+    let headers: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (*k, v.as_bytes())).collect();
+    for _ in 0..120 {
+        if produce(p, topic, Some(key), body.as_bytes(), &headers).await.is_ok() {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    anyhow::bail!("could not produce to {topic}")
+}
+
+/// Waits until every placed order has its payment and every cancelled one its refund; adds what is missing
+/// to the findings.
+async fn await_events(
+    db: &TestDb,
+    placed: &BTreeSet<Uuid>,
+    cancelled: &BTreeSet<Uuid>,
+    summary: &mut Summary,
+) -> anyhow::Result<()> {
+    let want = placed.len() as i64;
+    let store = db.store.clone();
+    let _ = eventually(Duration::from_secs(120), || {
+        let store = store.clone();
+        async move {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM payment WHERE provider = 'faults-kafka'")
+                .fetch_one(store.pool())
+                .await?;
+            Ok(n >= want)
+        }
+    })
+    .await?;
+    for order in cancelled {
+        let ok = eventually(Duration::from_secs(30), || {
+            let store = db.store.clone();
+            let order = *order;
+            async move {
+                let refunds: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM refund r JOIN payment p ON p.id = r.payment_id WHERE p.order_id = $1",
+                )
+                .bind(order)
+                .fetch_one(store.pool())
+                .await?;
+                Ok(refunds >= 1)
+            }
+        })
+        .await?;
+        if !ok {
+            summary.findings.lost += 1;
+            summary.findings.details.push(format!("lost: cancelled order {order} was never refunded"));
+        }
+    }
+    Ok(())
+}
+
+fn finish(summary: &Summary) {
+    print(summary);
+    assert_eq!(summary.findings.duplicates, 0, "{}: duplicates {:?}", summary.scenario, summary.findings.details);
+    assert_eq!(summary.findings.lost, 0, "{}: lost {:?}", summary.scenario, summary.findings.details);
+}
+
+#[tokio::test]
+async fn s1_kill9_during_mixed_http_and_kafka_load() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&db.url, &brokers);
+    service.start().await?;
+    let kills = scale(3, 20);
+    let charges = scale(150, 2000);
+    let orders = scale(100, 1000);
+    let ledger = Arc::new(Ledger::default());
+
+    let orders_topic = service.orders_topic.clone();
+    let service = Arc::new(tokio::sync::Mutex::new(service));
+    let http = {
+        let s = service.lock().await;
+        let (ledger, client_service) = (ledger.clone(), ServiceRef::of(&s));
+        tokio::spawn(async move { client_service.load(ledger, charges, 8, "kill").await })
+    };
+    let events = {
+        let brokers = brokers.clone();
+        tokio::spawn(async move { event_load(&brokers, &orders_topic, orders).await })
+    };
+    // the killer: kill -9 at pseudo-random moments, restart right away
+    for k in 0..kills {
+        tokio::time::sleep(Duration::from_millis(700 + (k as u64 * 379) % 900)).await;
+        let mut s = service.lock().await;
+        s.kill9();
+        s.start().await?;
+    }
+    http.await??;
+    let (placed, cancelled, sent) = events.await??;
+    let service = service.lock().await;
+    let mut summary = Summary {
+        scenario: "1. kill -9 during mixed HTTP + Kafka load",
+        operations: charges + sent,
+        faults: kills,
+        findings: Default::default(),
+    };
+    await_events(&db, &placed, &cancelled, &mut summary).await?;
+    let found = check(&db, &ledger, &service, &brokers, &placed).await?;
+    summary.findings.duplicates += found.duplicates;
+    summary.findings.lost += found.lost;
+    summary.findings.details.extend(found.details);
+    finish(&summary);
+    Ok(())
+}
+
+/// The pieces of a service a load generator needs, detached from the restartable process.
+struct ServiceRef {
+    client: idem_http::client::IdemClient,
+}
+
+impl ServiceRef {
+    fn of(s: &Service) -> Self {
+        Self { client: s.client() }
+    }
+
+    async fn load(self, ledger: Arc<Ledger>, n: usize, workers: usize, tag: &str) -> anyhow::Result<()> {
+        let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut tasks = Vec::new();
+        for _ in 0..workers {
+            let (client, ledger, next, tag) = (self.client.clone(), ledger.clone(), next.clone(), tag.to_owned());
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= n {
+                        return anyhow::Ok(());
+                    }
+                    let external = format!("pi_{tag}_{i}");
+                    let key = idem_http::client::IdemClient::new_key();
+                    let reply = client.charge(&key, &charge_request(&external)).await?;
+                    anyhow::ensure!(matches!(reply.status, 200 | 201), "{external}: {} {}", reply.status, reply.body);
+                    ledger.record(&external, reply.body["id"].as_str().unwrap_or_default()).await;
+                }
+            }));
+        }
+        for t in tasks {
+            t.await??;
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn s4_duplicate_storm() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&db.url, &brokers);
+    service.start().await?;
+    let keys = 50;
+    let requests = 500;
+    let bodies: Vec<(String, String)> = (0..keys)
+        .map(|k| {
+            (
+                format!("storm-{k}-{}", Uuid::now_v7().simple()),
+                serde_json::to_string(&charge_request(&format!("pi_storm_{k}_{}", Uuid::now_v7().simple()))).unwrap(),
+            )
+        })
+        .collect();
+    let http = reqwest::Client::new();
+    let mut tasks = Vec::new();
+    for r in 0..requests {
+        let (http, url, (key, body)) = (http.clone(), format!("{}/payments", service.base), bodies[r % keys].clone());
+        tasks.push(tokio::spawn(async move {
+            let resp = http
+                .post(url)
+                .bearer_auth(API_KEY)
+                .header("idempotency-key", &key)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await?;
+            let status = resp.status().as_u16();
+            let body = resp.bytes().await?.to_vec();
+            anyhow::Ok((key, status, body))
+        }));
+    }
+    let mut by_key: BTreeMap<String, BTreeSet<Vec<u8>>> = BTreeMap::new();
+    let mut summary = Summary {
+        scenario: "4. duplicate storm: 500 requests over 50 keys",
+        operations: requests,
+        faults: 0,
+        findings: Default::default(),
+    };
+    for t in tasks {
+        let (key, status, body) = t.await??;
+        match status {
+            201 => {
+                by_key.entry(key).or_default().insert(body);
+            }
+            409 if String::from_utf8_lossy(&body).contains("request-in-flight") => {}
+            other => {
+                summary.findings.lost += 1;
+                summary.findings.details.push(format!("{key}: unexpected {other} {}", String::from_utf8_lossy(&body)));
+            }
+        }
+    }
+    for (key, bodies) in &by_key {
+        if bodies.len() > 1 {
+            summary.findings.duplicates += 1;
+            summary.findings.details.push(format!("{key}: {} different successful answers", bodies.len()));
+        }
+    }
+    let payments = db.count("payment").await?;
+    if payments != keys as i64 {
+        summary.findings.duplicates += usize::try_from(payments - keys as i64).unwrap_or(0);
+        summary.findings.lost += usize::try_from(keys as i64 - payments).unwrap_or(0);
+        summary.findings.details.push(format!("{payments} payments for {keys} keys"));
+    }
+    finish(&summary);
+    Ok(())
+}
+
+#[tokio::test]
+async fn s3_broker_connection_cut_and_restored() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let broker = ProxiedBroker::start().await?;
+    let mut service = Service::new(&db.url, &broker.bootstrap);
+    service.start().await?;
+    let charges = scale(100, 1000);
+    let orders = scale(60, 600);
+    let ledger = Arc::new(Ledger::default());
+    let http = {
+        let (ledger, s) = (ledger.clone(), ServiceRef::of(&service));
+        tokio::spawn(async move { s.load(ledger, charges, 4, "bcut").await })
+    };
+    let events = {
+        let (b, t) = (broker.bootstrap.clone(), service.orders_topic.clone());
+        tokio::spawn(async move { event_load(&b, &t, orders).await })
+    };
+    let cuts = scale(1, 3);
+    for _ in 0..cuts {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        broker.proxy.cut();
+        tokio::time::sleep(Duration::from_secs(8)).await;
+        broker.proxy.restore();
+    }
+    http.await??;
+    let (placed, cancelled, sent) = events.await??;
+    let mut summary = Summary {
+        scenario: "3. broker connection cut and restored",
+        operations: charges + sent,
+        faults: cuts,
+        findings: Default::default(),
+    };
+    await_events(&db, &placed, &cancelled, &mut summary).await?;
+    let found = check(&db, &ledger, &service, &broker.bootstrap, &placed).await?;
+    summary.findings.duplicates += found.duplicates;
+    summary.findings.lost += found.lost;
+    summary.findings.details.extend(found.details);
+    finish(&summary);
+    Ok(())
+}
+
+/// Scenarios 2 and 6: the service reaches PostgreSQL through a proxy the test controls.
+async fn database_fault(name: &'static str, outage: Duration, cuts: usize) -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let proxy = TcpProxy::start(listener, "127.0.0.1:5432".parse()?)?;
+    let via_proxy = db.url.replacen("127.0.0.1:5432", &proxy.addr.to_string(), 1);
+    anyhow::ensure!(via_proxy != db.url, "DATABASE_URL must point at 127.0.0.1:5432 for this scenario");
+    let mut service = Service::new(&via_proxy, &brokers).with_env("IDEMPOTENCY_WAIT", "1s");
+    service.start().await?;
+    let charges = scale(150, 1500);
+    let orders = scale(60, 600);
+    let ledger = Arc::new(Ledger::default());
+    let http = {
+        let (ledger, s) = (ledger.clone(), ServiceRef::of(&service));
+        tokio::spawn(async move { s.load(ledger, charges, 6, "dbcut").await })
+    };
+    let events = {
+        let (b, t) = (brokers.clone(), service.orders_topic.clone());
+        tokio::spawn(async move { event_load(&b, &t, orders).await })
+    };
+    for _ in 0..cuts {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        proxy.cut();
+        tokio::time::sleep(outage).await;
+        proxy.restore();
+    }
+    http.await??;
+    let (placed, cancelled, sent) = events.await??;
+    let mut summary =
+        Summary { scenario: name, operations: charges + sent, faults: cuts, findings: Default::default() };
+    await_events(&db, &placed, &cancelled, &mut summary).await?;
+    let found = check(&db, &ledger, &service, &brokers, &placed).await?;
+    summary.findings.duplicates += found.duplicates;
+    summary.findings.lost += found.lost;
+    summary.findings.details.extend(found.details);
+    // the service recovered by itself: it still answers
+    let after = service
+        .client()
+        .charge(&idem_http::client::IdemClient::new_key(), &charge_request("pi_after_recovery"))
+        .await?;
+    assert_eq!(after.status, 201, "the service recovers without a restart");
+    finish(&summary);
+    Ok(())
+}
+
+#[tokio::test]
+async fn s2_database_restart_during_load() -> anyhow::Result<()> {
+    // every connection dropped at once and refused for a moment: what clients see of a PostgreSQL restart
+    database_fault("2. database 'restart': all connections dropped", Duration::from_millis(1500), scale(2, 10)).await
+}
+
+#[tokio::test]
+async fn s6_database_network_cut() -> anyhow::Result<()> {
+    database_fault("6. network cut between service and database", Duration::from_secs(6), scale(1, 5)).await
+}
+
+#[tokio::test]
+async fn s5_consumer_group_churn() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let first = Service::new(&db.url, &brokers);
+    let (orders_topic, payments_topic, group) =
+        (first.orders_topic.clone(), first.payments_topic.clone(), first.group.clone());
+    let member = |s: Service| {
+        let mut s = s
+            .with_env("KAFKA_ORDERS_TOPIC", &orders_topic)
+            .with_env("KAFKA_PAYMENTS_TOPIC", &payments_topic)
+            .with_env("KAFKA_GROUP_ID", &group);
+        s.orders_topic = orders_topic.clone();
+        s.payments_topic = payments_topic.clone();
+        s.group = group.clone();
+        s
+    };
+    let mut members = vec![member(first)];
+    members.push(member(Service::new(&db.url, &brokers)));
+    members.push(member(Service::new(&db.url, &brokers)));
+    for m in &mut members {
+        m.start().await?;
+    }
+    let events = scale(2000, 10000) * 10 / 13; // distinct orders; with duplicates and cancellations ≈ the target
+    let load = {
+        let (b, t) = (brokers.clone(), orders_topic.clone());
+        tokio::spawn(async move { event_load(&b, &t, events).await })
+    };
+    let churns = scale(2, 8);
+    for c in 0..churns {
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let mut victim = members.remove(c % members.len());
+        victim.kill9();
+        let mut fresh = member(Service::new(&db.url, &brokers));
+        fresh.start().await?;
+        members.push(fresh);
+    }
+    let (placed, cancelled, sent) = load.await??;
+    let mut summary = Summary {
+        scenario: "5. consumer group churn, 3 members, 30% dups",
+        operations: sent,
+        faults: churns,
+        findings: Default::default(),
+    };
+    await_events(&db, &placed, &cancelled, &mut summary).await?;
+    let found = check(&db, &Ledger::default(), &members[0], &brokers, &placed).await?;
+    summary.findings.duplicates += found.duplicates;
+    summary.findings.lost += found.lost;
+    summary.findings.details.extend(found.details);
+    finish(&summary);
+    Ok(())
+}
+
+#[tokio::test]
+async fn s7_sigterm_during_load_drains_gracefully() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&db.url, &brokers);
+    service.start().await?;
+    let charges = scale(120, 1000);
+    let ledger = Arc::new(Ledger::default());
+    let http = {
+        let (ledger, s) = (ledger.clone(), ServiceRef::of(&service));
+        tokio::spawn(async move { s.load(ledger, charges, 8, "term").await })
+    };
+    let stops = scale(2, 5);
+    for _ in 0..stops {
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let clean = service.terminate();
+        assert!(clean, "SIGTERM drains and exits 0");
+        // nothing half-done: every claimed key is completed or gone
+        let in_flight: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_record WHERE state = 'in_flight'")
+            .fetch_one(db.pool())
+            .await?;
+        assert_eq!(in_flight, 0, "no half-done request survives a graceful stop");
+        service.start().await?;
+    }
+    http.await??;
+    let mut summary = Summary {
+        scenario: "7. SIGTERM during load, restarted",
+        operations: charges,
+        faults: stops,
+        findings: Default::default(),
+    };
+    let found = check(&db, &ledger, &service, &brokers, &BTreeSet::new()).await?;
+    summary.findings = found;
+    finish(&summary);
+    Ok(())
+}
