@@ -12,4 +12,4 @@ export KAFKA_BROKERS="${KAFKA_BROKERS:-127.0.0.1:9092}"
 export FAULTS_SCALE="${FAULTS_SCALE:-full}"
 cargo build -p idem-app --quiet
 echo "| scenario                                     | operations | faults | duplicates |  lost |"
-cargo nextest run -p idem-tests --test faults --no-capture --no-fail-fast "$@" 2>&1 | grep -E '^\|'
+cargo nextest run -p idem-tests --test faults --no-capture --no-fail-fast "$@" 2>&1 | tee .local/faults.log | grep -E "^\|"

@@ -69,8 +69,9 @@ install_tansu() {
 }
 
 start_tansu() {
-  if port_open "$TANSU_ADDR"; then log "tansu already listening on $TANSU_ADDR"; return; fi
+  # The binary is needed even when a broker already runs: tests start private brokers of their own.
   install_tansu
+  if port_open "$TANSU_ADDR"; then log "tansu already listening on $TANSU_ADDR"; return; fi
   log "starting tansu on $TANSU_ADDR (memory storage)"
   nohup "$TANSU_BIN" broker \
     --listener-url "tcp://$TANSU_ADDR" \
