@@ -397,6 +397,42 @@ async fn bad_input_gets_precise_problems_and_is_never_stored() -> anyhow::Result
             api.post("/payments", KEY_A, Some(&"k".repeat(256)), &good).await?,
         ),
         (
+            Case { name: "huge key", status: 400, problem: "idempotency-key-invalid", field: None },
+            api.post("/payments", KEY_A, Some(&"k".repeat(8000)), &good).await?,
+        ),
+        (
+            Case { name: "control character in key", status: 400, problem: "idempotency-key-invalid", field: None },
+            api.post("/payments", KEY_A, Some("a\tb"), &good).await?,
+        ),
+        (
+            Case { name: "non-ASCII key", status: 400, problem: "idempotency-key-invalid", field: None },
+            api.send(
+                api.http
+                    .post(format!("{}/payments", api.base))
+                    .bearer_auth(KEY_A)
+                    .header("content-type", "application/json")
+                    .header("idempotency-key", reqwest::header::HeaderValue::from_bytes(b"cl\xc3\xa9")?)
+                    .body(good.clone()),
+            )
+            .await?,
+        ),
+        (
+            Case { name: "another merchant's key is not a key", status: 401, problem: "unauthorized", field: None },
+            api.post("/payments", "merchant_a:key_a_0123456789", Some("x0"), &good).await?,
+        ),
+        (
+            Case { name: "array body", status: 400, problem: "malformed-json", field: None },
+            api.post("/payments", KEY_A, Some("x15"), "[1,2,3]").await?,
+        ),
+        (
+            Case { name: "unknown field", status: 422, problem: "invalid-field", field: Some("ammount") },
+            api.post("/payments", KEY_A, Some("x16"), &with("ammount", json!("1.00"))).await?,
+        ),
+        (
+            Case { name: "script in currency", status: 422, problem: "invalid-field", field: Some("currency") },
+            api.post("/payments", KEY_A, Some("x17"), &with("currency", json!("<script>"))).await?,
+        ),
+        (
             Case { name: "no auth", status: 401, problem: "unauthorized", field: None },
             api.send(
                 api.http.post(format!("{}/payments", api.base)).header("idempotency-key", "x1").body(good.clone()),
