@@ -47,9 +47,20 @@ pub struct TableLabels {
     pub table: &'static str,
 }
 
+/// Partition policy of the partitioned dedup table.
+#[derive(Debug, Clone, Copy)]
+pub struct PartitionPolicy {
+    /// Retention of processed events, counted from the event's own (UUID v7) time.
+    pub ttl: Duration,
+    /// Daily partitions created ahead of today.
+    pub days_ahead: u64,
+}
+
 /// Cleaner settings.
 #[derive(Debug, Clone)]
 pub struct CleanupSettings {
+    /// Set when processed events live in the partitioned table.
+    pub partitions: Option<PartitionPolicy>,
     /// Rows per DELETE statement.
     pub batch_size: i64,
     /// Upper bound of batches per table and round (a backlog larger than that waits for the next round).
@@ -60,7 +71,7 @@ pub struct CleanupSettings {
 
 impl Default for CleanupSettings {
     fn default() -> Self {
-        Self { batch_size: 5_000, max_batches: 10_000, pause: Duration::from_millis(5) }
+        Self { partitions: None, batch_size: 5_000, max_batches: 10_000, pause: Duration::from_millis(5) }
     }
 }
 
@@ -71,6 +82,7 @@ pub struct CleanupStats {
     pub rounds: Counter,
     pub failed_rounds: Counter,
     pub skipped_rounds: Counter,
+    pub partitions_dropped: Counter,
     pub dead_tuples: Family<TableLabels, Gauge>,
 }
 
@@ -89,6 +101,11 @@ impl CleanupStats {
             "Rounds skipped because another instance held the cleaner lock",
             self.skipped_rounds.clone(),
         );
+        r.register(
+            "partitions_dropped",
+            "Expired dedup partitions detached and dropped",
+            self.partitions_dropped.clone(),
+        );
         r.register("dead_tuples", "pg_stat_user_tables.n_dead_tup of the high-churn tables", self.dead_tuples.clone());
     }
 }
@@ -97,6 +114,8 @@ impl CleanupStats {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CleanupReport {
     pub deleted: Vec<(ExpiringTable, u64)>,
+    /// Partitions of the partitioned dedup table dropped whole.
+    pub partitions_dropped: Vec<String>,
 }
 
 impl CleanupReport {
@@ -205,6 +224,16 @@ impl Cleaner {
             }
             report.deleted.push((table, total));
         }
+        if let Some(policy) = self.settings.partitions {
+            let today = now.date_naive();
+            let behind = policy.ttl.as_secs().div_ceil(86_400) + 1;
+            let created = partitions::ensure(&self.store, today, behind, policy.days_ahead).await?;
+            let dropped = partitions::drop_expired(&self.store, now, policy.ttl).await?;
+            let default_rows = partitions::clean_default(&self.store, now, self.settings.batch_size).await?;
+            self.stats.partitions_dropped.inc_by(dropped.len() as u64);
+            tracing::info!(created = created.len(), dropped = ?dropped, default_rows, "partition maintenance done");
+            report.partitions_dropped = dropped;
+        }
         Ok(report)
     }
 
@@ -254,4 +283,120 @@ pub async fn refresh_dead_tuples(store: &PgStore, stats: &CleanupStats) -> Resul
         }
     }
     Ok(())
+}
+
+/// Partition maintenance of `processed_event_partitioned` (DEDUP_STORAGE=partitioned).
+pub mod partitions {
+    use chrono::{DateTime, Days, NaiveDate, Utc};
+    use idem_ports::StoreError;
+
+    use crate::PgStore;
+    use crate::error::map_sqlx_error;
+
+    const PARENT: &str = "processed_event_partitioned";
+
+    fn name(day: NaiveDate) -> String {
+        format!("{PARENT}_p{}", day.format("%Y%m%d"))
+    }
+
+    /// The day of a partition, from its name.
+    fn day_of(name: &str) -> Option<NaiveDate> {
+        let digits = name.strip_prefix(PARENT)?.strip_prefix("_p")?;
+        NaiveDate::parse_from_str(digits, "%Y%m%d").ok()
+    }
+
+    /// Existing daily partitions, oldest first.
+    pub async fn list(store: &PgStore) -> Result<Vec<(String, NaiveDate)>, StoreError> {
+        let names: Vec<String> = sqlx::query_scalar(
+            "SELECT c.relname::text FROM pg_inherits i
+             JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_class p ON p.oid = i.inhparent
+             WHERE p.relname = $1",
+        )
+        .bind(PARENT)
+        .fetch_all(store.pool())
+        .await
+        .map_err(map_sqlx_error)?;
+        let mut days: Vec<(String, NaiveDate)> = names.into_iter().filter_map(|n| day_of(&n).map(|d| (n, d))).collect();
+        days.sort_by_key(|(_, d)| *d);
+        Ok(days)
+    }
+
+    /// Creates the daily partitions from `behind` days before `today` to `ahead` days after it. A day
+    /// whose rows already sit in the default partition cannot get its partition (PostgreSQL refuses); it
+    /// is skipped and logged, its rows are cleaned row by row.
+    pub async fn ensure(store: &PgStore, today: NaiveDate, behind: u64, ahead: u64) -> Result<Vec<String>, StoreError> {
+        let existing: Vec<NaiveDate> = list(store).await?.into_iter().map(|(_, d)| d).collect();
+        let mut created = Vec::new();
+        let first = today.checked_sub_days(Days::new(behind)).unwrap_or(today);
+        for offset in 0..=(behind + ahead) {
+            let Some(day) = first.checked_add_days(Days::new(offset)) else { continue };
+            if existing.contains(&day) {
+                continue;
+            }
+            let Some(next) = day.checked_add_days(Days::new(1)) else { continue };
+            // names and bounds are built from dates only: nothing user-supplied reaches the DDL
+            let ddl = format!(
+                "CREATE TABLE IF NOT EXISTS {} PARTITION OF {PARENT} FOR VALUES FROM ('{day}') TO ('{next}')",
+                name(day)
+            );
+            match sqlx::query(&ddl).execute(store.pool()).await {
+                Ok(_) => created.push(name(day)),
+                Err(e) => {
+                    tracing::warn!(partition = %name(day), error = %e, "cannot create partition; its rows stay in the default partition")
+                }
+            }
+        }
+        Ok(created)
+    }
+
+    /// Detaches and drops every daily partition whose whole range expired: `day + 1 + ttl <= now`.
+    pub async fn drop_expired(
+        store: &PgStore,
+        now: DateTime<Utc>,
+        ttl: std::time::Duration,
+    ) -> Result<Vec<String>, StoreError> {
+        let ttl = chrono::Duration::from_std(ttl).map_err(|e| StoreError::Other(e.to_string()))?;
+        let mut dropped = Vec::new();
+        for (name, day) in list(store).await? {
+            let Some(end) = day.checked_add_days(Days::new(1)).and_then(|d| d.and_hms_opt(0, 0, 0)) else { continue };
+            if end.and_utc() + ttl > now {
+                continue;
+            }
+            let mut conn = store.pool().acquire().await.map_err(map_sqlx_error)?;
+            // never queue behind long transactions: give up and retry next round instead
+            sqlx::query("SET lock_timeout = '2s'").execute(&mut *conn).await.map_err(map_sqlx_error)?;
+            let detached =
+                sqlx::query(&format!("ALTER TABLE {PARENT} DETACH PARTITION {name}")).execute(&mut *conn).await;
+            let result = match detached {
+                Ok(_) => sqlx::query(&format!("DROP TABLE {name}")).execute(&mut *conn).await,
+                Err(e) => Err(e),
+            };
+            sqlx::query("RESET lock_timeout").execute(&mut *conn).await.map_err(map_sqlx_error)?;
+            result.map_err(map_sqlx_error)?;
+            dropped.push(name);
+        }
+        Ok(dropped)
+    }
+
+    /// Deletes expired rows of the default partition in bounded batches; returns the count.
+    pub async fn clean_default(store: &PgStore, now: DateTime<Utc>, batch: i64) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let n = sqlx::query(
+                "DELETE FROM processed_event_partitioned_default WHERE (consumer_name, event_id) IN (
+                     SELECT consumer_name, event_id FROM processed_event_partitioned_default
+                     WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED)",
+            )
+            .bind(now)
+            .bind(batch)
+            .execute(store.pool())
+            .await
+            .map_err(map_sqlx_error)?
+            .rows_affected();
+            total += n;
+            if n < batch as u64 {
+                return Ok(total);
+            }
+        }
+    }
 }

@@ -40,10 +40,22 @@ impl Default for PoolSettings {
     }
 }
 
+/// Where processed events are recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DedupStorage {
+    /// `processed_event`, cleaned by batched deletes on `expires_at`.
+    #[default]
+    Table,
+    /// `processed_event_partitioned`, daily partitions on the event id's v7 time, cleaned by dropping
+    /// whole expired partitions.
+    Partitioned,
+}
+
 /// A handle on the database: cheap to clone, shared by value.
 #[derive(Debug, Clone)]
 pub struct PgStore {
     pool: PgPool,
+    dedup: DedupStorage,
 }
 
 impl PgStore {
@@ -57,11 +69,21 @@ impl PgStore {
             .connect_with(options)
             .await
             .map_err(map_sqlx_error)?;
-        Ok(Self { pool })
+        Ok(Self { pool, dedup: DedupStorage::Table })
     }
 
     pub fn from_pool(pool: PgPool) -> Self {
-        Self { pool }
+        Self { pool, dedup: DedupStorage::Table }
+    }
+
+    /// Records processed events in `storage`.
+    pub fn with_dedup_storage(mut self, storage: DedupStorage) -> Self {
+        self.dedup = storage;
+        self
+    }
+
+    pub fn dedup_storage(&self) -> DedupStorage {
+        self.dedup
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -81,7 +103,7 @@ impl PgStore {
     /// Begins a transaction, typed (for adapters' own use and tests).
     pub async fn begin_pg(&self) -> Result<PgUnitOfWork, StoreError> {
         let tx = self.pool.begin().await.map_err(map_sqlx_error)?;
-        Ok(PgUnitOfWork { tx })
+        Ok(PgUnitOfWork { tx, dedup: self.dedup })
     }
 }
 
@@ -97,6 +119,7 @@ impl TransactionManager for PgStore {
 #[derive(Debug)]
 pub struct PgUnitOfWork {
     tx: Transaction<'static, Postgres>,
+    dedup: DedupStorage,
 }
 
 impl PgUnitOfWork {

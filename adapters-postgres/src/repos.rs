@@ -405,6 +405,24 @@ impl ProcessedEventRepository for PgUnitOfWork {
         }
         let ids: Vec<Uuid> = events.iter().map(|e| e.event_id).collect();
         let topics: Vec<String> = events.iter().map(|e| e.topic.clone()).collect();
+        if self.dedup == crate::DedupStorage::Partitioned {
+            return sqlx::query_scalar!(
+                r#"INSERT INTO processed_event_partitioned (consumer_name, event_id, event_time, topic, created_at, expires_at)
+                   SELECT $1, e.id, uuid_v7_time(e.id), e.topic, $4, $5
+                   FROM UNNEST($2::uuid[], $3::text[]) AS e(id, topic)
+                   ORDER BY e.id
+                   ON CONFLICT (consumer_name, event_id, event_time) DO NOTHING
+                   RETURNING event_id"#,
+                consumer,
+                &ids,
+                &topics,
+                created_at,
+                expires_at,
+            )
+            .fetch_all(self.connection())
+            .await
+            .map_err(map_sqlx_error);
+        }
         sqlx::query_scalar!(
             r#"INSERT INTO processed_event (consumer_name, event_id, topic, created_at, expires_at)
                SELECT $1, e.id, e.topic, $4, $5 FROM UNNEST($2::uuid[], $3::text[]) AS e(id, topic)

@@ -51,6 +51,13 @@ pub enum ConflictStatus {
     Unprocessable,
 }
 
+/// Processed-event storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DedupStorageArg {
+    Table,
+    Partitioned,
+}
+
 /// On or off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LayerSwitch {
@@ -159,6 +166,10 @@ pub struct ServeArgs {
     /// How long processed-event rows are kept (24h to 72h).
     #[arg(long, env = "DEDUP_TTL", default_value = "72h", value_parser = parse_ttl)]
     pub dedup_ttl: TtlPolicy,
+    /// Where processed events live: `table` (batched deletes) or `partitioned` (daily partitions on the
+    /// event id's UUID v7 time, dropped whole when expired; needs v7 event ids).
+    #[arg(long, env = "DEDUP_STORAGE", value_enum, default_value = "table")]
+    pub dedup_storage: DedupStorageArg,
     /// How often expired rows are deleted.
     #[arg(long, env = "CLEANUP_INTERVAL", default_value = "6h", value_parser = parse_duration)]
     pub cleanup_interval: Duration,

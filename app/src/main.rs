@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand};
 use std::sync::Arc;
 
 use axum::http::StatusCode;
-use config::{ConflictStatus, DbArgs, KafkaArgs, LayerSwitch, RelayArgs, RelayOnlyArgs, ServeArgs};
+use config::{ConflictStatus, DbArgs, DedupStorageArg, KafkaArgs, LayerSwitch, RelayArgs, RelayOnlyArgs, ServeArgs};
 use idem_domain::usecases::OrderEventHandler;
 use idem_http::HttpMetrics;
 use idem_http::{ApiState, IdempotencyConfig, IdempotencyLayer};
@@ -23,7 +23,8 @@ use idem_kafka::consumer::{Runner, RunnerSettings};
 use idem_kafka::probe::BrokerProbe;
 use idem_kafka::relay::{Relay, RelaySettings};
 use idem_ports::{Clock, IdGenerator, SystemClock, TransactionManager, UuidV7Generator};
-use idem_postgres::cleanup::{Cleaner, CleanupSettings};
+use idem_postgres::DedupStorage;
+use idem_postgres::cleanup::{Cleaner, CleanupSettings, PartitionPolicy};
 use idem_postgres::{PgOutboxWakeup, PgStore, PoolSettings};
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -139,7 +140,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     init_tracing(args.log_json);
     args.validate().map_err(anyhow::Error::msg)?;
     tracing::info!(config = ?args, "starting idem");
-    let store = connect(&args.db).await?;
+    let store = connect(&args.db).await?.with_dedup_storage(match args.dedup_storage {
+        DedupStorageArg::Table => DedupStorage::Table,
+        DedupStorageArg::Partitioned => DedupStorage::Partitioned,
+    });
     store.migrate().await.context("applying migrations")?;
     tracing::info!("migrations applied");
     let dlq_topic = args.dlq_topic();
@@ -207,7 +211,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     spawn_relay(&mut group, &store, &args.kafka, &args.relay, &mut registry).await?;
 
     // TTL cleanup
-    let cleaner = Cleaner::new(store.clone(), CleanupSettings::default());
+    let partitions = (args.dedup_storage == DedupStorageArg::Partitioned)
+        .then(|| PartitionPolicy { ttl: args.dedup_ttl.ttl(), days_ahead: 3 });
+    let cleaner = Cleaner::new(store.clone(), CleanupSettings { partitions, ..CleanupSettings::default() });
     let cleanup_stats = cleaner.stats();
     cleanup_stats.register(&mut registry);
     let (token, interval) = (shutdown.clone(), args.cleanup_interval);

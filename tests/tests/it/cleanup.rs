@@ -48,7 +48,7 @@ async fn expired_rows_go_live_rows_stay_in_bounded_batches() -> anyhow::Result<(
         .execute(db.pool())
         .await?;
 
-    let settings = CleanupSettings { batch_size: 100, max_batches: 2, pause: Duration::ZERO };
+    let settings = CleanupSettings { batch_size: 100, max_batches: 2, pause: Duration::ZERO, partitions: None };
     let cleaner = Cleaner::new(db.store.clone(), settings);
     let first = cleaner.run_once(now).await?.expect("lock free");
     for (table, n) in &first.deleted {
@@ -108,5 +108,69 @@ async fn a_failed_round_does_not_stop_the_next() -> anyhow::Result<()> {
     task.await?;
     assert!(recovered, "a later round cleaned up");
     assert!(stats.rounds.get() >= 1);
+    Ok(())
+}
+
+fn v7_at(at: DateTime<Utc>) -> uuid::Uuid {
+    let ts = uuid::Timestamp::from_unix(uuid::NoContext, at.timestamp() as u64, at.timestamp_subsec_nanos());
+    uuid::Uuid::new_v7(ts)
+}
+
+#[tokio::test]
+async fn partition_drop_removes_only_expired_ranges() -> anyhow::Result<()> {
+    use idem_ports::{ProcessedEvent, TransactionManager};
+    use idem_postgres::DedupStorage;
+    use idem_postgres::cleanup::{PartitionPolicy, partitions};
+
+    let db = TestDb::new().await?;
+    let store = db.store.clone().with_dedup_storage(DedupStorage::Partitioned);
+    let now = Utc::now();
+    let ttl = Duration::from_secs(72 * 3600);
+    partitions::ensure(&store, now.date_naive(), 6, 2).await?;
+    let days = [6i64, 5, 4, 3, 1, 0];
+    let mut ids = Vec::new();
+    for d in days {
+        let id = v7_at(now - chrono::Duration::days(d));
+        ids.push((d, id));
+        let mut uow = store.begin().await?;
+        let fresh = uow
+            .processed_events()
+            .record_new(
+                "g",
+                &[ProcessedEvent { event_id: id, topic: "orders".into() }],
+                now,
+                now + chrono::Duration::hours(72),
+            )
+            .await?;
+        assert_eq!(fresh, vec![id]);
+        uow.commit().await?;
+    }
+    // a redelivery of an event lands in the same partition and still conflicts
+    let mut uow = store.begin().await?;
+    let again = uow
+        .processed_events()
+        .record_new(
+            "g",
+            &[ProcessedEvent { event_id: ids[4].1, topic: "orders".into() }],
+            now,
+            now + chrono::Duration::hours(72),
+        )
+        .await?;
+    assert!(again.is_empty(), "duplicate detected in the partitioned table");
+    drop(uow);
+
+    let settings =
+        CleanupSettings { partitions: Some(PartitionPolicy { ttl, days_ahead: 2 }), ..CleanupSettings::default() };
+    let report = Cleaner::new(store.clone(), settings).run_once(now).await?.expect("lock free");
+    // expired: whole day ended more than 72 h ago → days 6, 5, 4 (day 3 ends 2 days + ... ago: within ttl)
+    assert_eq!(report.partitions_dropped.len(), 3, "{:?}", report.partitions_dropped);
+    let left: Vec<uuid::Uuid> =
+        sqlx::query_scalar("SELECT event_id FROM processed_event_partitioned ORDER BY event_id")
+            .fetch_all(db.pool())
+            .await?;
+    let want: Vec<uuid::Uuid> = ids.iter().filter(|(d, _)| *d <= 3).map(|(_, id)| *id).collect();
+    assert_eq!(left, want, "only expired ranges were dropped");
+    let remaining = partitions::list(&store).await?;
+    assert!(remaining.iter().all(|(_, day)| *day >= (now - chrono::Duration::days(3)).date_naive()), "{remaining:?}");
     Ok(())
 }
