@@ -10,47 +10,12 @@
 
 mod common;
 
-use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Summary, env_or, pgbench, print_table};
+use common::{API_KEY, Summary, env_or, fresh_database, pgbench, print_table, start_service};
 use serde_json::json;
 use uuid::Uuid;
-
-const API_KEY: &str = "bench_key_0123456789";
-
-struct Service {
-    child: Child,
-    base: String,
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
-        let _ = self.child.wait();
-    }
-}
-
-async fn start_service(bin: &str, db_url: &str, port: u16, layer: &str) -> anyhow::Result<Service> {
-    let child = Command::new(bin)
-        .arg("serve")
-        .env("DATABASE_URL", db_url)
-        .env("HTTP_ADDR", format!("127.0.0.1:{port}"))
-        .env("IDEM_API_KEYS", format!("bench:{API_KEY}"))
-        .env("IDEMPOTENCY_LAYER", layer)
-        .env("RUST_LOG", "warn")
-        .spawn()?;
-    let base = format!("http://127.0.0.1:{port}");
-    let client = reqwest::Client::new();
-    for _ in 0..200 {
-        if client.get(format!("{base}/payments/{}", Uuid::nil())).bearer_auth(API_KEY).send().await.is_ok() {
-            return Ok(Service { child, base });
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    anyhow::bail!("idem did not start on port {port}")
-}
 
 fn charge_body() -> String {
     json!({
@@ -121,14 +86,6 @@ where
         sent.extend(s);
     }
     (Summary::from_latencies(name, all, errors, start.elapsed()), sent)
-}
-
-async fn fresh_database(admin: &str, name: &str) -> anyhow::Result<String> {
-    use sqlx::Connection;
-    let mut conn = sqlx::PgConnection::connect(admin).await?;
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut conn).await?;
-    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await?;
-    Ok(idem_tests::with_database(admin, name))
 }
 
 #[tokio::main]

@@ -77,3 +77,48 @@ pub fn pgbench(url: &str, script: &str, clients: usize, seconds: u64) -> anyhow:
         .find_map(|l| l.strip_prefix("tps = ").and_then(|r| r.split_whitespace().next()).and_then(|v| v.parse().ok()))
         .ok_or_else(|| anyhow::anyhow!("no tps in pgbench output: {text}"))
 }
+
+pub const API_KEY: &str = "bench_key_0123456789";
+
+/// A running `idem serve`, stopped with SIGTERM when dropped.
+pub struct Service {
+    child: std::process::Child,
+    pub base: String,
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `idem serve` from `bin` on `port` against `db_url` and waits until it answers.
+pub async fn start_service(bin: &str, db_url: &str, port: u16, layer: &str) -> anyhow::Result<Service> {
+    let child = std::process::Command::new(bin)
+        .arg("serve")
+        .env("DATABASE_URL", db_url)
+        .env("HTTP_ADDR", format!("127.0.0.1:{port}"))
+        .env("IDEM_API_KEYS", format!("bench:{API_KEY}"))
+        .env("IDEMPOTENCY_LAYER", layer)
+        .env("RUST_LOG", "warn")
+        .spawn()?;
+    let base = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::new();
+    for _ in 0..200 {
+        if client.get(format!("{base}/healthz")).send().await.is_ok() {
+            return Ok(Service { child, base });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("idem did not start on port {port}")
+}
+
+/// Drops and creates database `name`; returns its URL.
+pub async fn fresh_database(admin: &str, name: &str) -> anyhow::Result<String> {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(admin).await?;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut conn).await?;
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await?;
+    Ok(idem_tests::with_database(admin, name))
+}
