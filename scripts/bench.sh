@@ -3,13 +3,9 @@
 #   scripts/bench.sh http      HTTP charges: layer on/off, replays, pgbench ceiling
 # Settings are environment variables documented at the top of each tests/benches/*.rs.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-./scripts/services.sh start
+source "$(dirname "$0")/env.sh"
 command -v pgbench >/dev/null || sudo_apt=1
 if [ "${sudo_apt:-0}" = 1 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql-client >/dev/null; fi
-export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
-export KAFKA_BROKERS="${KAFKA_BROKERS:-127.0.0.1:9092}"
 cargo build --release -p idem-app --quiet
 export IDEM_BIN="$root/target/release/idem"
 for bench in "${@:-http}"; do

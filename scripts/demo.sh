@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # Starts the services and idem (in the background), runs `idem demo` against it, prints the table, stops idem.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-./scripts/services.sh start
-export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
-export KAFKA_BROKERS="${KAFKA_BROKERS:-127.0.0.1:9092}"
+source "$(dirname "$0")/env.sh"
 export IDEM_API_KEYS="${IDEM_API_KEYS:-demo:demo_key_0123456789}"
 export HTTP_ADDR="${HTTP_ADDR:-127.0.0.1:8080}"
 cargo build --release -p idem-app --quiet

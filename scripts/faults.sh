@@ -4,11 +4,7 @@
 # line per scenario: | scenario | operations | faults | duplicates | lost |. CI runs the reduced size as
 # part of scripts/test.sh.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-./scripts/services.sh start
-export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
-export KAFKA_BROKERS="${KAFKA_BROKERS:-127.0.0.1:9092}"
+source "$(dirname "$0")/env.sh"
 export FAULTS_SCALE="${FAULTS_SCALE:-full}"
 cargo build -p idem-app --quiet
 echo "| scenario                                     | operations | faults | duplicates |  lost |"

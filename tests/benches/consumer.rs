@@ -14,12 +14,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use common::env_or;
+use common::{env_or, fresh_store};
 use idem_domain::TtlPolicy;
 use idem_domain::usecases::OrderEventHandler;
 use idem_kafka::consumer::{Runner, RunnerSettings};
 use idem_ports::{EventHandler, HandlerError, InboundEvent, ProcessedEvent, SystemClock, UnitOfWork, UuidV7Generator};
-use idem_postgres::{PgStore, PoolSettings};
 use idem_tests::kafka::{create_topic, produce, producer, unique_topic};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -51,17 +50,6 @@ impl EventHandler for SeedShape {
         uow.processed_events().record_new(GROUP, &[row], now, now + chrono::Duration::hours(72)).await?;
         Ok(())
     }
-}
-
-async fn fresh_store(admin: &str) -> anyhow::Result<PgStore> {
-    use sqlx::Connection;
-    let name = "idem_bench_consumer";
-    let mut conn = sqlx::PgConnection::connect(admin).await?;
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut conn).await?;
-    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await?;
-    let store = PgStore::connect(&idem_tests::with_database(admin, name), &PoolSettings::default()).await?;
-    store.migrate().await?;
-    Ok(store)
 }
 
 async fn fill_topic(brokers: &str, messages: usize) -> anyhow::Result<String> {
@@ -101,7 +89,7 @@ async fn measure(
     dedup: bool,
     handler: Arc<dyn EventHandler>,
 ) -> anyhow::Result<f64> {
-    let store = fresh_store(admin).await?;
+    let store = fresh_store(admin, "idem_bench_consumer").await?;
     let topic = fill_topic(brokers, messages).await?;
     let mut settings = RunnerSettings::new(brokers, GROUP, &topic, TtlPolicy::new(Duration::from_secs(72 * 3600))?);
     settings.consumer.session_timeout = Duration::from_millis(6000);

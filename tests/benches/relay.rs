@@ -12,28 +12,17 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::env_or;
+use common::{env_or, fresh_store};
 use idem_kafka::ProducerSettings;
 use idem_kafka::relay::{Relay, RelaySettings};
 use idem_ports::{SystemClock, TransactionManager};
-use idem_postgres::{PgOutboxWakeup, PgStore, PoolSettings};
+use idem_postgres::{PgOutboxWakeup, PgStore};
 use idem_tests::kafka::{create_topic, unique_topic};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use tokio_util::sync::CancellationToken;
 
 /// ~200-byte payloads, as the ceiling quoted in the issue.
 const PAYLOAD: &str = r#"{"type":"PaymentCaptured","payment_id":"01936f8e-7b2a-7c3d-8e4f-5a6b7c8d9e0f","order_id":"01936f8e-7b2a-7c3d-8e4f-5a6b7c8d9e10","amount":"12.3400","currency":"EUR","provider":"stripe","x":"pad"}"#;
-
-async fn fresh_store(admin: &str) -> anyhow::Result<PgStore> {
-    use sqlx::Connection;
-    let name = "idem_bench_relay";
-    let mut conn = sqlx::PgConnection::connect(admin).await?;
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut conn).await?;
-    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await?;
-    let store = PgStore::connect(&idem_tests::with_database(admin, name), &PoolSettings::default()).await?;
-    store.migrate().await?;
-    Ok(store)
-}
 
 /// Inserts `rows` unpublished outbox rows over 1,000 keys in one statement.
 async fn fill(store: &PgStore, topic: &str, rows: i64) -> anyhow::Result<()> {
@@ -131,7 +120,7 @@ async fn main() -> anyhow::Result<()> {
     let rate: u64 = env_or("BENCH_RATE", 1_000);
     let seconds: u64 = env_or("BENCH_SECONDS", 10);
     let batch: i64 = env_or("BENCH_RELAY_BATCH", 2000);
-    let store = fresh_store(&admin).await?;
+    let store = fresh_store(&admin, "idem_bench_relay").await?;
     let topic = unique_topic("bench-payments");
     create_topic(&brokers, &topic, 6).await?;
     println!("idem relay benchmark: {rows} rows of ~{} bytes, 1,000 keys, 6 partitions, batch {batch}", PAYLOAD.len());

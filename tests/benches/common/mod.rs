@@ -122,3 +122,11 @@ pub async fn fresh_database(admin: &str, name: &str) -> anyhow::Result<String> {
     sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await?;
     Ok(idem_tests::with_database(admin, name))
 }
+
+/// A fresh, migrated database `name` behind a store.
+pub async fn fresh_store(admin: &str, name: &str) -> anyhow::Result<idem_postgres::PgStore> {
+    let url = fresh_database(admin, name).await?;
+    let store = idem_postgres::PgStore::connect(&url, &idem_postgres::PoolSettings::default()).await?;
+    store.migrate().await?;
+    Ok(store)
+}
