@@ -503,7 +503,7 @@ impl Backoff {
 
     /// Sleeps; false when shutdown came first.
     async fn wait(&mut self, shutdown: &CancellationToken) -> bool {
-        let jitter = Duration::from_millis(u64::from(Uuid::new_v4().as_bytes()[0]) % 50);
+        let jitter = Duration::from_millis(rand::random_range(0..50));
         let sleep = self.next + jitter;
         self.next = (self.next * 2).min(Duration::from_secs(5));
         tokio::select! {

@@ -239,9 +239,14 @@ impl Cleaner {
 
     /// Runs a round now and then every `interval` until `shutdown`. A failed round is logged and counted;
     /// the next one runs on schedule.
-    pub async fn run(&self, interval: Duration, shutdown: tokio_util::sync::CancellationToken) {
+    pub async fn run(
+        &self,
+        clock: &dyn idem_ports::Clock,
+        interval: Duration,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) {
         loop {
-            match self.run_once(Utc::now()).await {
+            match self.run_once(clock.now()).await {
                 Ok(Some(report)) => {
                     let deleted: Vec<String> =
                         report.deleted.iter().map(|(t, n)| format!("{}={n}", t.name())).collect();

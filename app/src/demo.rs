@@ -1,4 +1,7 @@
 //! `idem pay` and `idem demo`: try the running service from a terminal.
+//!
+//! These act as a client of the service, so they make their own ids.
+#![allow(clippy::disallowed_methods)]
 
 use std::time::Duration;
 

@@ -218,7 +218,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     cleanup_stats.register(&mut registry);
     let (token, interval) = (shutdown.clone(), args.cleanup_interval);
     group.spawn("ttl cleaner", async move {
-        cleaner.run(interval, token).await;
+        cleaner.run(&SystemClock, interval, token).await;
         Ok(())
     });
 
@@ -262,7 +262,7 @@ async fn cleanup_once(args: CleanupArgs) -> anyhow::Result<()> {
     let store = connect(&args.db).await?;
     store.migrate().await.context("applying migrations")?;
     let settings = CleanupSettings { batch_size: args.batch_size, ..CleanupSettings::default() };
-    match Cleaner::new(store.clone(), settings).run_once(chrono::Utc::now()).await? {
+    match Cleaner::new(store.clone(), settings).run_once(SystemClock.now()).await? {
         Some(report) => {
             for (table, n) in &report.deleted {
                 tracing::info!(table = table.name(), deleted = n, "expired rows deleted");

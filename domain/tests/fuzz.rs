@@ -2,6 +2,8 @@
 //! unbounded work, and what is accepted satisfies the rules. `FUZZ_CASES` raises the iteration count
 //! (default 10,000 per property).
 
+#![allow(clippy::disallowed_methods)] // tests make their own ids and read the clock
+
 use std::sync::Arc;
 
 use idem_domain::usecases::OrderEventHandler;

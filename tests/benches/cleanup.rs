@@ -5,7 +5,7 @@
 //! Run with `scripts/bench.sh cleanup`. Settings: BENCH_ROWS (1000000), BENCH_RATE (200 charges/s),
 //! BENCH_WINDOW (8 s before and after), DATABASE_URL, IDEM_BIN.
 
-#![allow(clippy::print_stdout, clippy::unwrap_used)]
+#![allow(clippy::print_stdout, clippy::unwrap_used, clippy::disallowed_methods)]
 
 mod common;
 

@@ -6,7 +6,7 @@
 //! Run with `scripts/bench.sh consumer`. Settings: BENCH_MESSAGES (20000, for b and c),
 //! BENCH_MESSAGES_SINGLE (3000, for a and d), BENCH_BATCH (100), DATABASE_URL, KAFKA_BROKERS.
 
-#![allow(clippy::print_stdout, clippy::unwrap_used)]
+#![allow(clippy::print_stdout, clippy::unwrap_used, clippy::disallowed_methods)]
 
 mod common;
 

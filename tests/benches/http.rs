@@ -6,7 +6,7 @@
 //! Run with `scripts/bench.sh http` (builds the release binary and starts the services). Settings:
 //! BENCH_CONCURRENCY (8), BENCH_SECONDS (10), IDEM_BIN (target/release/idem), DATABASE_URL.
 
-#![allow(clippy::print_stdout, clippy::unwrap_used)]
+#![allow(clippy::print_stdout, clippy::unwrap_used, clippy::disallowed_methods)]
 
 mod common;
 

@@ -5,7 +5,7 @@
 //! Run with `scripts/bench.sh relay`. Settings: BENCH_ROWS (100000), BENCH_RATE (1000 messages/s offered
 //! for the latency phase), BENCH_SECONDS (10), BENCH_RELAY_BATCH (500), DATABASE_URL, KAFKA_BROKERS.
 
-#![allow(clippy::print_stdout, clippy::unwrap_used)]
+#![allow(clippy::print_stdout, clippy::unwrap_used, clippy::disallowed_methods)]
 
 mod common;
 

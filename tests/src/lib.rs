@@ -3,6 +3,8 @@
 //! Uses `DATABASE_URL` / `KAFKA_BROKERS` when they are set (the no-Docker machines, CI) and falls back to
 //! testcontainers when not. Every test gets its own database, so tests run in parallel.
 
+#![allow(clippy::disallowed_methods)] // the test harness makes its own ids and reads the clock
+
 use std::sync::OnceLock;
 
 use anyhow::Context;

@@ -1,6 +1,6 @@
 //! Shared helpers of the benchmarks: latency summaries and table printing.
 
-#![allow(dead_code, clippy::print_stdout)]
+#![allow(dead_code, clippy::print_stdout, clippy::disallowed_methods)]
 
 use std::time::Duration;
 

@@ -8,6 +8,7 @@
 //! `FAULTS_SCALE=full` runs the full size (see RELIABILITY.md); the default is the reduced CI size.
 //! `scripts/faults.sh` runs the full size and prints the summary table.
 
+#![allow(clippy::disallowed_methods)] // tests make their own ids and read the clock
 #![allow(clippy::print_stdout, clippy::unwrap_used)]
 
 mod harness;

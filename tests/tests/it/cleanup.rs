@@ -89,7 +89,7 @@ async fn a_failed_round_does_not_stop_the_next() -> anyhow::Result<()> {
     let stop = CancellationToken::new();
     let task = {
         let (cleaner, stop) = (cleaner.clone(), stop.clone());
-        tokio::spawn(async move { cleaner.run(Duration::from_millis(100), stop).await })
+        tokio::spawn(async move { cleaner.run(&idem_ports::SystemClock, Duration::from_millis(100), stop).await })
     };
     let stats = cleaner.stats();
     let failed =
