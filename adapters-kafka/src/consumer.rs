@@ -22,6 +22,7 @@ use idem_ports::{
     BatchError, Clock, EventHandler, HandlerError, InboundEvent, ProcessedEvent, StoreError, TransactionManager,
 };
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
@@ -84,6 +85,8 @@ pub struct ConsumerStats {
     pub dead_lettered: Counter,
     pub batches: Counter,
     pub transient_failures: Counter,
+    /// Messages behind the partitions' high watermarks, from librdkafka's statistics (every 5 s).
+    pub lag: Gauge,
 }
 
 impl ConsumerStats {
@@ -99,14 +102,28 @@ impl ConsumerStats {
             "Batches rolled back on a transient failure and retried",
             self.transient_failures.clone(),
         );
+        r.register("lag_messages", "Consumer lag summed over assigned partitions", self.lag.clone());
     }
 }
 
 /// Logs rebalances. Offsets are only ever stored after their transaction committed and auto-commit is
 /// off, so a revocation can never commit the offset of an uncommitted message.
-struct RunnerContext;
+struct RunnerContext {
+    lag: Gauge,
+}
 
-impl ClientContext for RunnerContext {}
+impl ClientContext for RunnerContext {
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        let lag: i64 = statistics
+            .topics
+            .values()
+            .flat_map(|t| t.partitions.values())
+            .filter(|p| p.partition >= 0 && p.consumer_lag >= 0)
+            .map(|p| p.consumer_lag)
+            .sum();
+        self.lag.set(lag);
+    }
+}
 
 impl ConsumerContext for RunnerContext {
     fn pre_rebalance(&self, _: &rdkafka::consumer::BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -238,8 +255,12 @@ impl Runner {
     /// Consumes until `shutdown` is cancelled: stops fetching, finishes (or rolls back) the batch in
     /// hand, commits what committed, leaves the group.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), RunnerError> {
-        let consumer: StreamConsumer<RunnerContext> =
-            self.settings.consumer.client_config().create_with_context(RunnerContext)?;
+        let consumer: StreamConsumer<RunnerContext> = self
+            .settings
+            .consumer
+            .client_config()
+            .set("statistics.interval.ms", "5000")
+            .create_with_context(RunnerContext { lag: self.stats.lag.clone() })?;
         let producer: FutureProducer = self.settings.producer.client_config().create()?;
         consumer.subscribe(&[&self.settings.topic])?;
         tracing::info!(topic = %self.settings.topic, group = %self.settings.consumer.group_id, "consumer started");

@@ -226,18 +226,21 @@ async fn bad_messages_are_dead_lettered_and_the_consumer_keeps_going() -> anyhow
 struct HangAfterCommit {
     inner: PgStore,
     commits_before_hang: std::sync::atomic::AtomicUsize,
+    /// Extra time every commit takes (a slow database).
+    delay: Duration,
 }
 
 struct HangingUow {
     inner: Box<dyn UnitOfWork>,
     hang: bool,
+    delay: Duration,
 }
 
 #[async_trait]
 impl TransactionManager for HangAfterCommit {
     async fn begin(&self) -> Result<Box<dyn UnitOfWork>, StoreError> {
         let left = self.commits_before_hang.fetch_sub(1, Ordering::SeqCst);
-        Ok(Box::new(HangingUow { inner: self.inner.begin().await?, hang: left <= 1 }))
+        Ok(Box::new(HangingUow { inner: self.inner.begin().await?, hang: left <= 1, delay: self.delay }))
     }
 }
 
@@ -263,6 +266,7 @@ impl UnitOfWork for HangingUow {
     }
     async fn commit(self: Box<Self>) -> Result<(), StoreError> {
         self.inner.commit().await?;
+        tokio::time::sleep(self.delay).await;
         if self.hang {
             std::future::pending::<()>().await;
         }
@@ -283,7 +287,8 @@ async fn killed_after_db_commit_before_offset_commit_has_no_second_effect() -> a
     }
     let group = unique_topic("g");
     // first consumer: the second batch commits in the database and the process dies before the offsets
-    let hang = Arc::new(HangAfterCommit { inner: db.store.clone(), commits_before_hang: 2.into() });
+    let hang =
+        Arc::new(HangAfterCommit { inner: db.store.clone(), commits_before_hang: 2.into(), delay: Duration::ZERO });
     let first = start(hang, settings(&brokers, &group, &topic, 5));
     let store = db.store.clone();
     assert!(
@@ -358,5 +363,27 @@ async fn rebalance_under_load_keeps_effects_equal_to_distinct_events() -> anyhow
     assert!(a_stats.processed.get() > 0);
     assert_eq!(db.count("payment").await?, distinct);
     assert_eq!(db.count("processed_event").await?, distinct);
+    Ok(())
+}
+
+#[tokio::test]
+async fn consumer_lag_is_reported() -> anyhow::Result<()> {
+    let (db, brokers, topic) = setup(1).await?;
+    let p = producer(&brokers)?;
+    for i in 0..40 {
+        let order = Uuid::now_v7();
+        send(&p, &topic, order, Uuid::now_v7(), &placed(order, &format!("pi_lag_{i}"), 1)).await?;
+    }
+    // a slow database: each batch of 5 takes 2 s to commit, so most of the 40 messages wait
+    let hang = Arc::new(HangAfterCommit {
+        inner: db.store.clone(),
+        commits_before_hang: usize::MAX.into(),
+        delay: Duration::from_secs(2),
+    });
+    let stuck = start(hang, settings(&brokers, &unique_topic("g"), &topic, 5));
+    let stats = stuck.stats.clone();
+    let reported = eventually(Duration::from_secs(30), || async { Ok(stats.lag.get() >= 15) }).await?;
+    stuck.task.abort();
+    assert!(reported, "lag gauge reached {} (want >= 15)", stats.lag.get());
     Ok(())
 }
