@@ -91,6 +91,7 @@ impl IdempotencyConfig {
     }
 }
 
+#[derive(Clone)]
 struct Shared {
     tm: Arc<dyn TransactionManager>,
     clock: Arc<dyn Clock>,
@@ -130,14 +131,7 @@ impl IdempotencyLayer {
 impl IdempotencyLayer {
     /// Counts outcomes into `metrics` (shared with the rest of the HTTP adapter).
     pub fn with_metrics(self, metrics: HttpMetrics) -> Self {
-        let shared = Arc::try_unwrap(self.shared).unwrap_or_else(|arc| Shared {
-            tm: arc.tm.clone(),
-            clock: arc.clock.clone(),
-            config: arc.config.clone(),
-            enforce_keys: arc.enforce_keys,
-            metrics: arc.metrics.clone(),
-        });
-        Self { shared: Arc::new(Shared { metrics, ..shared }) }
+        Self { shared: Arc::new(Shared { metrics, ..(*self.shared).clone() }) }
     }
 }
 
