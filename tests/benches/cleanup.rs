@@ -67,10 +67,7 @@ async fn p99(samples: &Mutex<Vec<(Instant, Duration)>>, from: Instant, to: Insta
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    if std::env::args().any(|a| a == "--list" || a == "--test") {
-        return Ok(());
-    }
-    let admin = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let Some((admin, _)) = common::bench_env() else { return Ok(()) };
     let bin = std::env::var("IDEM_BIN")
         .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/release/idem").into());
     let rows: i64 = env_or("BENCH_ROWS", 1_000_000);

@@ -119,11 +119,7 @@ async fn measure(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    if std::env::args().any(|a| a == "--list" || a == "--test") {
-        return Ok(());
-    }
-    let admin = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+    let Some((admin, brokers)) = common::bench_env() else { return Ok(()) };
     let many: usize = env_or("BENCH_MESSAGES", 20_000);
     let single: usize = env_or("BENCH_MESSAGES_SINGLE", 3_000);
     let batch: usize = env_or("BENCH_BATCH", 100);

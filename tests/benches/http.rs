@@ -90,15 +90,12 @@ where
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    if std::env::args().any(|a| a == "--list" || a == "--test") {
-        return Ok(()); // `cargo test --benches` probes; this benchmark only runs when asked
-    }
+    let Some((admin, _)) = common::bench_env() else { return Ok(()) };
     let concurrency: usize = env_or("BENCH_CONCURRENCY", 8);
     let seconds: u64 = env_or("BENCH_SECONDS", 10);
     let duration = Duration::from_secs(seconds);
     let bin = std::env::var("IDEM_BIN")
         .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/release/idem").into());
-    let admin = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
     let db = fresh_database(&admin, "idem_bench_http").await?;
     println!("idem HTTP benchmark: {concurrency} concurrent clients, {seconds} s per phase, binary {bin}");
 

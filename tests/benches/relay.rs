@@ -111,11 +111,7 @@ fn start_relay(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    if std::env::args().any(|a| a == "--list" || a == "--test") {
-        return Ok(());
-    }
-    let admin = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+    let Some((admin, brokers)) = common::bench_env() else { return Ok(()) };
     let rows: i64 = env_or("BENCH_ROWS", 100_000);
     let rate: u64 = env_or("BENCH_RATE", 1_000);
     let seconds: u64 = env_or("BENCH_SECONDS", 10);

@@ -99,6 +99,18 @@ impl TestDb {
         self.store.pool()
     }
 
+    /// Outbox rows not yet published.
+    pub async fn unpublished(&self) -> anyhow::Result<i64> {
+        Ok(sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
+            .fetch_one(self.pool())
+            .await?)
+    }
+
+    /// Waits until every outbox row is published; false when `timeout` passed first.
+    pub async fn all_published_within(&self, timeout: std::time::Duration) -> anyhow::Result<bool> {
+        kafka::eventually(timeout, || async { Ok(self.unpublished().await? == 0) }).await
+    }
+
     /// Number of rows of a table (test-only, table names are literals of the tests).
     pub async fn count(&self, table: &str) -> anyhow::Result<i64> {
         Ok(sqlx::query_scalar(&format!("SELECT count(*) FROM {table}")).fetch_one(self.pool()).await?)

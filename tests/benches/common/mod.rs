@@ -130,3 +130,14 @@ pub async fn fresh_store(admin: &str, name: &str) -> anyhow::Result<idem_postgre
     store.migrate().await?;
     Ok(store)
 }
+
+/// The database admin URL and the brokers, or `None` when cargo only probes the bench binary
+/// (`--list`/`--test`): the benchmarks run only when asked.
+pub fn bench_env() -> Option<(String, String)> {
+    if std::env::args().any(|a| a == "--list" || a == "--test") {
+        return None;
+    }
+    let admin = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+    Some((admin, brokers))
+}

@@ -223,17 +223,7 @@ pub async fn check(
         }
     }
     // invariant 3: every committed outbox row published, each event id once after dedup
-    let store = db.store.clone();
-    let drained = idem_tests::kafka::eventually(Duration::from_secs(60), || {
-        let store = store.clone();
-        async move {
-            Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
-                .fetch_one(store.pool())
-                .await?
-                == 0)
-        }
-    })
-    .await?;
+    let drained = db.all_published_within(Duration::from_secs(60)).await?;
     if !drained {
         f.lost("outbox rows still unpublished after 60 s".into());
     }

@@ -118,9 +118,7 @@ async fn committed_rows_arrive_with_event_ids_and_rolled_back_rows_never() -> an
     assert_eq!(first.header("event_type").as_deref(), Some("PaymentCaptured"));
     assert_eq!(first.header("content-type").as_deref(), Some("application/json"));
     assert_eq!(first.header("traceparent").as_deref(), Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"));
-    let unpublished: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
-        .fetch_one(db.pool())
-        .await?;
+    let unpublished = db.unpublished().await?;
     assert_eq!(unpublished, 0);
     Ok(())
 }
@@ -269,9 +267,7 @@ async fn relay_killed_after_publish_republishes_the_same_event_ids_and_consumers
     assert_eq!(first.len(), 30, "published before the crash");
     dying.task.abort(); // the crash: its claim transaction rolls back, rows stay unpublished
     let _ = dying.task.await;
-    let unpublished: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
-        .fetch_one(db.pool())
-        .await?;
+    let unpublished = db.unpublished().await?;
     assert_eq!(unpublished, 30);
 
     let relay = start_relay(Arc::new(db.store.clone()), &db.store, &brokers, 100).await?;
@@ -324,26 +320,11 @@ async fn broker_outage_loses_nothing() -> anyhow::Result<()> {
     let during =
         write(&db, (10..40).map(|i| message(&topic, &format!("k{i}"), json!({"type": "T", "n": i}))).collect()).await?;
     tokio::time::sleep(Duration::from_secs(7)).await; // longer than the delivery timeout: publishes fail
-    let unpublished: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
-        .fetch_one(db.pool())
-        .await?;
+    let unpublished = db.unpublished().await?;
     assert_eq!(unpublished, 30, "rows written during the outage stay unpublished");
     broker.proxy.restore();
 
-    let store = db.store.clone();
-    assert!(
-        eventually(Duration::from_secs(60), || {
-            let store = store.clone();
-            async move {
-                Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
-                    .fetch_one(store.pool())
-                    .await?
-                    == 0)
-            }
-        })
-        .await?,
-        "every row published after the broker came back"
-    );
+    assert!(db.all_published_within(Duration::from_secs(60)).await?, "every row published after the broker came back");
     relay.stop().await;
     let read = read_topic(&broker.bootstrap, &topic, 1000, Duration::from_secs(10)).await?;
     let got: BTreeSet<String> = event_ids(&read).into_iter().collect();
