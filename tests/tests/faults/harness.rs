@@ -161,6 +161,13 @@ pub struct Findings {
 }
 
 impl Findings {
+    /// Adds another check's findings to these.
+    pub fn absorb(&mut self, other: Findings) {
+        self.duplicates += other.duplicates;
+        self.lost += other.lost;
+        self.details.extend(other.details);
+    }
+
     fn dup(&mut self, what: String) {
         self.duplicates += 1;
         self.details.push(format!("duplicate: {what}"));

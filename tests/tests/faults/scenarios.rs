@@ -156,9 +156,7 @@ async fn s1_kill9_during_mixed_http_and_kafka_load() -> anyhow::Result<()> {
     };
     await_events(&db, &placed, &cancelled, &mut summary).await?;
     let found = check(&db, &ledger, &service, &brokers, &placed).await?;
-    summary.findings.duplicates += found.duplicates;
-    summary.findings.lost += found.lost;
-    summary.findings.details.extend(found.details);
+    summary.findings.absorb(found);
     finish(&summary);
     Ok(())
 }
@@ -303,9 +301,7 @@ async fn s3_broker_connection_cut_and_restored() -> anyhow::Result<()> {
     };
     await_events(&db, &placed, &cancelled, &mut summary).await?;
     let found = check(&db, &ledger, &service, &broker.bootstrap, &placed).await?;
-    summary.findings.duplicates += found.duplicates;
-    summary.findings.lost += found.lost;
-    summary.findings.details.extend(found.details);
+    summary.findings.absorb(found);
     finish(&summary);
     Ok(())
 }
@@ -343,9 +339,7 @@ async fn database_fault(name: &'static str, outage: Duration, cuts: usize) -> an
         Summary { scenario: name, operations: charges + sent, faults: cuts, findings: Default::default() };
     await_events(&db, &placed, &cancelled, &mut summary).await?;
     let found = check(&db, &ledger, &service, &brokers, &placed).await?;
-    summary.findings.duplicates += found.duplicates;
-    summary.findings.lost += found.lost;
-    summary.findings.details.extend(found.details);
+    summary.findings.absorb(found);
     // the service recovered by itself: it still answers
     let after = service
         .client()
@@ -413,9 +407,7 @@ async fn s5_consumer_group_churn() -> anyhow::Result<()> {
     };
     await_events(&db, &placed, &cancelled, &mut summary).await?;
     let found = check(&db, &Ledger::default(), &members[0], &brokers, &placed).await?;
-    summary.findings.duplicates += found.duplicates;
-    summary.findings.lost += found.lost;
-    summary.findings.details.extend(found.details);
+    summary.findings.absorb(found);
     finish(&summary);
     Ok(())
 }
@@ -451,8 +443,7 @@ async fn s7_sigterm_during_load_drains_gracefully() -> anyhow::Result<()> {
         faults: stops,
         findings: Default::default(),
     };
-    let found = check(&db, &ledger, &service, &brokers, &BTreeSet::new()).await?;
-    summary.findings = found;
+    summary.findings.absorb(check(&db, &ledger, &service, &brokers, &BTreeSet::new()).await?);
     finish(&summary);
     Ok(())
 }
