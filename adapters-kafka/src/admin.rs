@@ -23,3 +23,28 @@ pub async fn ensure_topics(brokers: &str, topics: &[&str], partitions: i32) -> R
     }
     Ok(())
 }
+
+/// [`ensure_topics`] until it succeeds or `shutdown` is cancelled (then `false`): a broker that is down at
+/// start is waited for in the background, with backoff from 1 s to 30 s, every failure logged.
+pub async fn ensure_topics_when_reachable(
+    brokers: &str,
+    topics: &[&str],
+    partitions: i32,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> bool {
+    let mut pause = Duration::from_secs(1);
+    loop {
+        match ensure_topics(brokers, topics, partitions).await {
+            Ok(()) => {
+                tracing::info!(?topics, "topics ready");
+                return true;
+            }
+            Err(e) => tracing::warn!(error = %e, retry_in = ?pause, "cannot create or check topics; retrying"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return false,
+            _ = tokio::time::sleep(pause) => {}
+        }
+        pause = (pause * 2).min(Duration::from_secs(30));
+    }
+}

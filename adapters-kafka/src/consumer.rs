@@ -85,6 +85,8 @@ pub struct ConsumerStats {
     pub dead_lettered: Counter,
     pub batches: Counter,
     pub transient_failures: Counter,
+    /// Errors reported by the Kafka client (transport, timeouts, rebalance); each is waited out.
+    pub kafka_errors: Counter,
     /// Messages behind the partitions' high watermarks, from librdkafka's statistics (every 5 s).
     pub lag: Gauge,
 }
@@ -101,6 +103,11 @@ impl ConsumerStats {
             "transient_failures",
             "Batches rolled back on a transient failure and retried",
             self.transient_failures.clone(),
+        );
+        r.register(
+            "kafka_errors",
+            "Errors reported by the Kafka client (transport, timeout, rebalance), retried with backoff",
+            self.kafka_errors.clone(),
         );
         r.register("lag_messages", "Consumer lag summed over assigned partitions", self.lag.clone());
     }
@@ -139,11 +146,36 @@ impl ConsumerContext for RunnerContext {
     }
 }
 
-/// Why the runner stopped.
+/// Why the runner stopped: only a configuration the Kafka client refuses, which no retry can heal.
 #[derive(Debug, thiserror::Error)]
 pub enum RunnerError {
-    #[error("kafka: {0}")]
-    Kafka(#[from] rdkafka::error::KafkaError),
+    #[error("invalid Kafka consumer configuration (fix the settings and restart): {0}")]
+    Config(rdkafka::error::KafkaError),
+}
+
+/// What the runner does with an error the Kafka client reported while consuming.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientErrorAction {
+    /// Not an error for the application (end of partition).
+    Ignore,
+    /// Transport, timeout, coordinator or rebalance trouble: log, count, back off, keep consuming. The
+    /// client reconnects and rejoins the group by itself.
+    Retry,
+    /// The client instance is unusable (a fatal error): log, back off, create a new consumer.
+    Recreate,
+}
+
+/// Classifies an error returned by `recv()`. Nothing the broker or the network does ends the runner.
+pub fn classify_consumer_error(e: &rdkafka::error::KafkaError) -> ClientErrorAction {
+    use rdkafka::error::KafkaError;
+    match e {
+        KafkaError::PartitionEOF(_) => ClientErrorAction::Ignore,
+        KafkaError::MessageConsumptionFatal(_) => ClientErrorAction::Recreate,
+        other if other.rdkafka_error_code() == Some(rdkafka::error::RDKafkaErrorCode::Fatal) => {
+            ClientErrorAction::Recreate
+        }
+        _ => ClientErrorAction::Retry,
+    }
 }
 
 /// A received message, detached from the consumer.
@@ -228,6 +260,21 @@ impl std::fmt::Debug for Runner {
     }
 }
 
+/// How one consumer instance's loop ended.
+enum Consumed {
+    /// Shutdown was asked.
+    Stopped,
+    /// The client reported a fatal error: the instance must be replaced.
+    Broken(rdkafka::error::KafkaError),
+}
+
+async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
 enum BatchOutcome {
     Committed,
     /// An event failed for good or for now; `index` into the batch.
@@ -254,35 +301,104 @@ impl Runner {
 
     /// Consumes until `shutdown` is cancelled: stops fetching, finishes (or rolls back) the batch in
     /// hand, commits what committed, leaves the group.
+    ///
+    /// Broker outages, timeouts and rebalances never end it: they are logged, counted
+    /// (`idem_consumer_kafka_errors`) and waited out with backoff; a consumer instance the client declares
+    /// fatally broken is replaced by a new one. Only a configuration the client refuses at creation
+    /// returns an error.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), RunnerError> {
-        let consumer: StreamConsumer<RunnerContext> = self
-            .settings
-            .consumer
-            .client_config()
-            .set("statistics.interval.ms", "5000")
-            .create_with_context(RunnerContext { lag: self.stats.lag.clone() })?;
-        let producer: FutureProducer = self.settings.producer.client_config().create()?;
-        consumer.subscribe(&[&self.settings.topic])?;
-        tracing::info!(topic = %self.settings.topic, group = %self.settings.consumer.group_id, "consumer started");
+        let producer: FutureProducer = self.settings.producer.client_config().create().map_err(RunnerError::Config)?;
         let mut rejections: HashMap<(i32, i64), u32> = HashMap::new();
+        let mut backoff = Backoff::new();
+        while !shutdown.is_cancelled() {
+            let consumer: StreamConsumer<RunnerContext> = self
+                .settings
+                .consumer
+                .client_config()
+                .set("statistics.interval.ms", "5000")
+                .create_with_context(RunnerContext { lag: self.stats.lag.clone() })
+                .map_err(RunnerError::Config)?;
+            consumer.subscribe(&[&self.settings.topic]).map_err(RunnerError::Config)?;
+            tracing::info!(topic = %self.settings.topic, group = %self.settings.consumer.group_id, "consumer started");
+            let outcome = self.consume(&consumer, &producer, &mut rejections, &shutdown).await;
+            consumer.unsubscribe();
+            match outcome {
+                Consumed::Stopped => break,
+                Consumed::Broken(e) => {
+                    tracing::error!(error = %e, "Kafka consumer unusable; creating a new one");
+                    if !backoff.wait(&shutdown).await {
+                        break;
+                    }
+                }
+            }
+        }
+        tracing::info!(topic = %self.settings.topic, "consumer stopped");
+        Ok(())
+    }
+
+    async fn consume(
+        &self,
+        consumer: &StreamConsumer<RunnerContext>,
+        producer: &FutureProducer,
+        rejections: &mut HashMap<(i32, i64), u32>,
+        shutdown: &CancellationToken,
+    ) -> Consumed {
         let mut done = Offsets::default();
-        while let Some(batch) = self.next_batch(&consumer, &shutdown).await? {
+        let outcome = loop {
+            let batch = match self.next_batch(consumer, shutdown).await {
+                Ok(Some(batch)) => batch,
+                Ok(None) => break Consumed::Stopped,
+                Err(e) => break Consumed::Broken(e),
+            };
             self.stats.received.inc_by(batch.len() as u64);
             let span = tracing::info_span!("batch", size = batch.len(), first_offset = batch[0].offset);
-            let committed = self.process(&producer, &batch, &mut rejections, &shutdown).instrument(span).await;
+            let committed = self.process(producer, &batch, rejections, shutdown).instrument(span).await;
             if !committed {
-                break; // shutdown while the store was down: nothing committed, nothing acknowledged
+                break Consumed::Stopped; // shutdown while the store was down: nothing committed or acknowledged
             }
             done.advance(&batch);
             // Async: a lost commit only means a redelivery, which the processed_event rows dedup.
-            done.commit(&consumer, CommitMode::Async);
+            done.commit(consumer, CommitMode::Async);
             self.stats.batches.inc_by(1);
+        };
+        // Make the last positions durable before leaving the group (or replacing the consumer).
+        done.commit(consumer, CommitMode::Sync);
+        outcome
+    }
+
+    /// Receives one message. Client errors are waited out here (logged, counted, backoff) until a message
+    /// arrives; `Ok(None)` on shutdown; `Err` only when the consumer instance must be replaced.
+    async fn recv<'c>(
+        &self,
+        consumer: &'c StreamConsumer<RunnerContext>,
+        shutdown: &CancellationToken,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<Option<BorrowedMessage<'c>>, rdkafka::error::KafkaError> {
+        let mut backoff = Backoff::new();
+        loop {
+            let received = tokio::select! {
+                _ = shutdown.cancelled() => return Ok(None),
+                _ = sleep_until_opt(deadline) => return Ok(None),
+                m = consumer.recv() => m,
+            };
+            match received {
+                Ok(m) => return Ok(Some(m)),
+                Err(e) => match classify_consumer_error(&e) {
+                    ClientErrorAction::Ignore => {}
+                    ClientErrorAction::Recreate => {
+                        self.stats.kafka_errors.inc_by(1);
+                        return Err(e);
+                    }
+                    ClientErrorAction::Retry => {
+                        self.stats.kafka_errors.inc_by(1);
+                        tracing::warn!(error = %e, "Kafka client error; retrying");
+                        if !backoff.wait(shutdown).await {
+                            return Ok(None);
+                        }
+                    }
+                },
+            }
         }
-        // Make the last positions durable before leaving the group.
-        done.commit(&consumer, CommitMode::Sync);
-        consumer.unsubscribe();
-        tracing::info!(topic = %self.settings.topic, "consumer stopped");
-        Ok(())
     }
 
     /// Waits for the first message (or shutdown), then fills the batch up to its size or timeout.
@@ -290,21 +406,16 @@ impl Runner {
         &self,
         consumer: &StreamConsumer<RunnerContext>,
         shutdown: &CancellationToken,
-    ) -> Result<Option<Vec<Received>>, RunnerError> {
-        let first = tokio::select! {
-            _ = shutdown.cancelled() => return Ok(None),
-            m = consumer.recv() => m?,
-        };
+    ) -> Result<Option<Vec<Received>>, rdkafka::error::KafkaError> {
+        let Some(first) = self.recv(consumer, shutdown, None).await? else { return Ok(None) };
         let mut batch = vec![Received::from_message(&first)];
         drop(first);
         let deadline = tokio::time::Instant::now() + self.settings.batch_timeout;
         while batch.len() < self.settings.batch_size {
-            let next = tokio::select! {
-                _ = shutdown.cancelled() => break,
-                _ = tokio::time::sleep_until(deadline) => break,
-                m = consumer.recv() => m?,
-            };
-            batch.push(Received::from_message(&next));
+            match self.recv(consumer, shutdown, Some(deadline)).await? {
+                Some(next) => batch.push(Received::from_message(&next)),
+                None => break,
+            }
         }
         Ok(Some(batch))
     }
@@ -531,5 +642,37 @@ impl Backoff {
             _ = shutdown.cancelled() => false,
             _ = tokio::time::sleep(sleep) => true,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+
+    #[test]
+    fn broker_trouble_is_retried_and_only_a_fatal_client_is_replaced() {
+        for code in [
+            RDKafkaErrorCode::BrokerTransportFailure,
+            RDKafkaErrorCode::AllBrokersDown,
+            RDKafkaErrorCode::OperationTimedOut,
+            RDKafkaErrorCode::RequestTimedOut,
+            RDKafkaErrorCode::NotCoordinator,
+            RDKafkaErrorCode::CoordinatorNotAvailable,
+            RDKafkaErrorCode::RebalanceInProgress,
+            RDKafkaErrorCode::UnknownTopicOrPartition,
+            RDKafkaErrorCode::PollExceeded,
+        ] {
+            assert_eq!(
+                classify_consumer_error(&KafkaError::MessageConsumption(code)),
+                ClientErrorAction::Retry,
+                "{code:?}"
+            );
+        }
+        assert_eq!(classify_consumer_error(&KafkaError::PartitionEOF(0)), ClientErrorAction::Ignore);
+        assert_eq!(
+            classify_consumer_error(&KafkaError::MessageConsumptionFatal(RDKafkaErrorCode::Fatal)),
+            ClientErrorAction::Recreate
+        );
     }
 }

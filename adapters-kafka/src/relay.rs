@@ -85,11 +85,12 @@ impl RelayStats {
     }
 }
 
-/// Why the relay stopped.
+/// Why the relay stopped: only a producer configuration the Kafka client refuses, which no retry heals.
+/// Broker outages never stop the relay: rows stay unpublished and rounds back off.
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
-    #[error("kafka: {0}")]
-    Kafka(#[from] KafkaError),
+    #[error("invalid Kafka producer configuration (fix the settings and restart): {0}")]
+    Config(#[from] KafkaError),
 }
 
 /// The relay.
@@ -197,7 +198,10 @@ impl Relay {
                         let mut guard = producer.write().await;
                         if guard.client().native_ptr() == current.client().native_ptr() {
                             tracing::warn!(?fatal, "producer session unusable; creating a new producer");
-                            *guard = self.settings.producer.client_config().create()?;
+                            match self.settings.producer.client_config().create() {
+                                Ok(p) => *guard = p,
+                                Err(e) => tracing::error!(error = %e, "cannot create a new producer; retrying"),
+                            }
                         }
                     }
                     backoff(failures)

@@ -18,7 +18,7 @@ use idem_domain::usecases::OrderEventHandler;
 use idem_http::HttpMetrics;
 use idem_http::{ApiState, IdempotencyConfig, IdempotencyLayer};
 use idem_kafka::ProducerSettings;
-use idem_kafka::admin::ensure_topics;
+use idem_kafka::admin::ensure_topics_when_reachable;
 use idem_kafka::consumer::{Runner, RunnerSettings};
 use idem_kafka::probe::BrokerProbe;
 use idem_kafka::relay::{Relay, RelaySettings};
@@ -146,15 +146,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     });
     store.migrate().await.context("applying migrations")?;
     tracing::info!("migrations applied");
+    // Bind before anything consumes: a taken port fails the start before a single message is touched.
+    let listener =
+        tokio::net::TcpListener::bind(args.http_addr).await.with_context(|| format!("binding {}", args.http_addr))?;
     let dlq_topic = args.dlq_topic();
-    ensure_topics(
-        &args.kafka.kafka_brokers,
-        &[&args.orders_topic, &dlq_topic, &args.kafka.payments_topic],
-        args.kafka.topic_partitions,
-    )
-    .await
-    .map_err(anyhow::Error::msg)
-    .context("creating topics")?;
 
     let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
@@ -190,7 +185,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Order-event consumer
     let mut settings =
         RunnerSettings::new(&args.kafka.kafka_brokers, &args.group_id, &args.orders_topic, args.dedup_ttl);
-    settings.dlq_topic = dlq_topic;
+    settings.dlq_topic = dlq_topic.clone();
     settings.batch_size = args.batch_size as usize;
     settings.batch_timeout = args.batch_timeout;
     settings.max_rejections = args.max_rejections;
@@ -205,7 +200,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let runner = Runner::new(settings, tm.clone(), clock.clone(), handler);
     runner.stats().register(&mut registry);
     let token = shutdown.clone();
-    group.spawn("order consumer", async move { Ok(runner.run(token).await?) });
+    let (brokers, partitions) = (args.kafka.kafka_brokers.clone(), args.kafka.topic_partitions);
+    let topics = [args.orders_topic.clone(), dlq_topic, args.kafka.payments_topic.clone()];
+    // Kafka may be down at start: the API serves at once (payments wait in the outbox), topics are created
+    // in the background, and the consumer starts once they exist.
+    group.spawn("order consumer", async move {
+        let topics: Vec<&str> = topics.iter().map(String::as_str).collect();
+        if !ensure_topics_when_reachable(&brokers, &topics, partitions, &token).await {
+            return Ok(());
+        }
+        Ok(runner.run(token).await?)
+    });
 
     // Outbox relay
     spawn_relay(&mut group, &store, &args.kafka, &args.relay, &mut registry).await?;
@@ -239,9 +244,6 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     );
 
     {
-        let listener = tokio::net::TcpListener::bind(args.http_addr)
-            .await
-            .with_context(|| format!("binding {}", args.http_addr))?;
         tracing::info!(addr = %listener.local_addr()?, "HTTP API listening");
         let token = shutdown.clone();
         group.spawn("http", async move {

@@ -92,6 +92,11 @@ impl Service {
         anyhow::bail!("idem did not come up")
     }
 
+    /// Whether the process is still running.
+    pub fn alive(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
     /// `kill -9`: no shutdown, no drain.
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {

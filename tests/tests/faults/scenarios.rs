@@ -293,6 +293,7 @@ async fn s3_broker_connection_cut_and_restored() -> anyhow::Result<()> {
     }
     http.await??;
     let (placed, cancelled, sent) = events.await??;
+    assert!(service.alive(), "a broker cut ended the idem process");
     let mut summary = Summary {
         scenario: "3. broker connection cut and restored",
         operations: charges + sent,
@@ -444,6 +445,47 @@ async fn s7_sigterm_during_load_drains_gracefully() -> anyhow::Result<()> {
         findings: Default::default(),
     };
     summary.findings.absorb(check(&db, &ledger, &service, &brokers, &BTreeSet::new()).await?);
+    finish(&summary);
+    Ok(())
+}
+
+/// Scenario 8: the service starts while the broker is unreachable, takes payments, is restarted during
+/// the outage and takes more; when the broker returns, topics are created, the outbox drains and order
+/// events flow. Nothing about Kafka may keep the HTTP API from serving.
+#[tokio::test]
+async fn s8_start_and_restart_during_a_broker_outage() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let broker = ProxiedBroker::start().await?;
+    broker.proxy.cut();
+    let mut service = Service::new(&db.url, &broker.bootstrap);
+    service.start().await?;
+    let charges = scale(20, 500);
+    let ledger = Arc::new(Ledger::default());
+    ServiceRef::of(&service).load(ledger.clone(), charges / 2, 4, "out1").await?;
+    let ready = reqwest::get(format!("{}/readyz", service.base)).await?;
+    assert_eq!(ready.status(), 503, "readiness must report the broker");
+    let body: serde_json::Value = ready.json().await?;
+    assert_eq!(body["broker"], "unreachable", "{body}");
+    assert_eq!(body["database"], "ok", "{body}");
+    service.kill9();
+    service.start().await?;
+    ServiceRef::of(&service).load(ledger.clone(), charges / 2, 4, "out2").await?;
+    assert_eq!(db.unpublished().await?, charges as i64, "every charge waits in the outbox");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(service.alive(), "the broker outage ended the idem process");
+
+    broker.proxy.restore();
+    let orders = scale(20, 200);
+    let (placed, cancelled, sent) = event_load(&broker.bootstrap, &service.orders_topic, orders).await?;
+    let mut summary = Summary {
+        scenario: "8. start and restart during a broker outage",
+        operations: charges + sent,
+        faults: 2,
+        findings: Default::default(),
+    };
+    await_events(&db, &placed, &cancelled, &mut summary).await?;
+    let found = check(&db, &ledger, &service, &broker.bootstrap, &placed).await?;
+    summary.findings.absorb(found);
     finish(&summary);
     Ok(())
 }
