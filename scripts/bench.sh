@@ -1,13 +1,27 @@
 #!/usr/bin/env bash
-# Runs a benchmark against the local services and prints its figures.
-#   scripts/bench.sh http      HTTP charges: layer on/off, replays, pgbench ceiling
-# Settings are environment variables documented at the top of each tests/benches/*.rs.
+# Runs benchmarks against the local services and prints their figures.
+#   scripts/bench.sh [--commit-bound] http|consumer|relay|cleanup ...
+# --commit-bound runs them against a private PostgreSQL whose fsync takes FSYNC_DELAY (default 2ms; see
+# scripts/slowdisk/start.sh). BENCH_CLIENTS="8 32 64 128" runs the HTTP benchmark once per concurrency.
+# Other settings are environment variables documented at the top of each tests/benches/*.rs.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 command -v pgbench >/dev/null || sudo_apt=1
 if [ "${sudo_apt:-0}" = 1 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql-client >/dev/null; fi
+if [ "${1:-}" = "--commit-bound" ]; then
+  shift
+  DATABASE_URL=$("$root/scripts/slowdisk/start.sh")
+  export DATABASE_URL
+  trap '"$root/scripts/slowdisk/start.sh" stop' EXIT
+fi
 cargo build --release -p idem-app --quiet
 export IDEM_BIN="$root/target/release/idem"
 for bench in "${@:-http}"; do
-  cargo bench -p idem-tests --bench "$bench" --quiet
+  if [ "$bench" = http ]; then
+    for clients in ${BENCH_CLIENTS:-${BENCH_CONCURRENCY:-8}}; do
+      BENCH_CONCURRENCY=$clients cargo bench -p idem-tests --bench http --quiet
+    done
+  else
+    cargo bench -p idem-tests --bench "$bench" --quiet
+  fi
 done

@@ -86,7 +86,8 @@ fn invalid(field: impl Into<String>, detail: impl Into<String>) -> ApiError {
 }
 
 fn not_found() -> ApiError {
-    Problem::new(ProblemKind::NotFound, StatusCode::NOT_FOUND).detail("no such payment").into()
+    // Nothing ran: a refusal that leaves the Idempotency-Key free for the corrected request.
+    Problem::new(ProblemKind::NotFound, StatusCode::NOT_FOUND).detail("no such payment").unexecuted().into()
 }
 
 /// Parses a JSON object body, checking the media type; names unknown fields.
@@ -171,10 +172,10 @@ impl<'a> From<&'a PaymentRecord> for PaymentBody<'a> {
             customer_id: p.customer_id,
             provider: &p.provider,
             external_payment_id: &p.external_payment_id,
-            amount: format_amount(p.amount),
+            amount: format_amount(p.amount, &p.currency),
             currency: &p.currency,
             status: p.status,
-            refunded_amount: format_amount(p.refunded_amount),
+            refunded_amount: format_amount(p.refunded_amount, &p.currency),
             created_at: timestamp(p.created_at),
         }
     }
@@ -220,7 +221,7 @@ pub async fn charge(
         customer_id,
         provider,
         external_payment_id,
-        Money { amount, currency },
+        Money::new(amount, currency).map_err(|e| invalid("amount", e.to_string()))?,
     )
     .map_err(|e| invalid(e.field, e.reason))?
     .with_traceparent(traceparent(&headers));
@@ -253,11 +254,11 @@ fn refund_body<'a>(r: &'a RefundRecord, p: &PaymentRecord) -> RefundBody<'a> {
     RefundBody {
         id: r.id,
         payment_id: r.payment_id,
-        amount: format_amount(r.amount),
+        amount: format_amount(r.amount, &p.currency),
         reason: r.reason.as_deref(),
         created_at: timestamp(r.created_at),
         payment_status: p.status,
-        refunded_amount: format_amount(p.refunded_amount),
+        refunded_amount: format_amount(p.refunded_amount, &p.currency),
     }
 }
 
@@ -295,6 +296,7 @@ pub async fn refund(
             Some(format!("/payments/{}", payment.id)),
         )),
         Err(RefundError::NotFound) => Err(not_found()),
+        Err(RefundError::Amount(e)) => Err(invalid("amount", e.to_string())),
         Err(RefundError::Rule(e @ RefundRuleError::ExceedsCaptured { .. })) => {
             Err(Problem::new(ProblemKind::RefundExceedsCaptured, StatusCode::UNPROCESSABLE_ENTITY)
                 .field("amount")

@@ -430,9 +430,18 @@ where
         }
     }
     if let Err(e) = uow.commit().await {
-        // Nothing was committed, or (connection lost during COMMIT) the outcome is unknown: either way a
-        // retry with the same key is safe — it executes again or replays.
-        return store_failure(&e);
+        // The COMMIT was sent: it may have been applied before the connection failed. Never claim that
+        // nothing ran. A retry with the same key is safe either way: it replays the stored response if the
+        // commit happened, or executes the request if it did not.
+        tracing::warn!(error = %e, "commit failed; outcome unknown");
+        let problem = layer_problem(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE)
+            .detail(
+                "the service lost its database connection while committing: the request may or may not have \
+                 been executed; retry with the same Idempotency-Key (the retry replays the result or executes \
+                 the request)",
+            )
+            .retry_after(1);
+        return tagged(problem.into_response(), "outcome_unknown");
     }
     resp_parts.headers.remove(header::CONTENT_LENGTH);
     tagged(Response::from_parts(resp_parts, Body::from(resp_bytes)), "executed")

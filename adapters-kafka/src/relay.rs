@@ -6,8 +6,13 @@
 //! delivered rows published (failures stay unpublished and are counted) and commit. A crash between
 //! publishing and the commit re-publishes the same rows with the same `event_id`; receivers dedup them.
 //!
-//! An idle relay waits on LISTEN/NOTIFY with a polling fallback, so a committed row is published within
-//! milliseconds, not on the next poll tick.
+//! Claims lock key shards, not keys (see `claim_unpublished` in the PostgreSQL adapter): a claim holds at
+//! most 16 advisory locks and all relays together at most 64, whatever the backlog or the query plan.
+//!
+//! An idle relay is woken without anything in the business transaction: in process right after a commit
+//! that wrote outbox rows, across instances by one debounced NOTIFY sent outside business transactions,
+//! and by polling as the fallback (`idem_postgres::PgOutboxWakeup` explains why: a NOTIFY inside the
+//! transaction serializes every commit of the database behind one lock and defeats group commit).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -174,8 +179,10 @@ impl Relay {
             let pause = match self.round(&current).await {
                 Ok(round) if round.failed == 0 => {
                     failures = 0;
-                    if round.claimed as i64 >= self.settings.batch_size {
-                        continue; // more are waiting
+                    if round.claimed > 0 {
+                        // More may be waiting: a claim takes a share of the key shards (and at most
+                        // `batch_size` rows), so only an empty claim means the outbox is drained for now.
+                        continue;
                     }
                     tokio::select! {
                         _ = shutdown.cancelled() => break,

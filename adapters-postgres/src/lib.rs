@@ -21,7 +21,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Postgres, Transaction};
 
 pub use error::map_sqlx_error;
-pub use wakeup::{OUTBOX_CHANNEL, PgOutboxWakeup};
+pub use wakeup::{NOTIFY_DEBOUNCE, OUTBOX_CHANNEL, OutboxSignal, PgOutboxWakeup};
 
 /// The migrations in `migrations/`, embedded in the binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
@@ -56,6 +56,7 @@ pub enum DedupStorage {
 pub struct PgStore {
     pool: PgPool,
     dedup: DedupStorage,
+    outbox_signal: OutboxSignal,
 }
 
 impl PgStore {
@@ -69,11 +70,16 @@ impl PgStore {
             .connect_with(options)
             .await
             .map_err(map_sqlx_error)?;
-        Ok(Self { pool, dedup: DedupStorage::Table })
+        Ok(Self::from_pool(pool))
     }
 
     pub fn from_pool(pool: PgPool) -> Self {
-        Self { pool, dedup: DedupStorage::Table }
+        Self { outbox_signal: OutboxSignal::new(pool.clone()), pool, dedup: DedupStorage::Table }
+    }
+
+    /// Raised after every commit that wrote outbox rows (see [`PgOutboxWakeup`]).
+    pub fn outbox_signal(&self) -> &OutboxSignal {
+        &self.outbox_signal
     }
 
     /// Records processed events in `storage`.
@@ -103,7 +109,7 @@ impl PgStore {
     /// Begins a transaction, typed (for adapters' own use and tests).
     pub async fn begin_pg(&self) -> Result<PgUnitOfWork, StoreError> {
         let tx = self.pool.begin().await.map_err(map_sqlx_error)?;
-        Ok(PgUnitOfWork { tx, dedup: self.dedup })
+        Ok(PgUnitOfWork { tx, dedup: self.dedup, outbox_signal: self.outbox_signal.clone(), wrote_outbox: false })
     }
 }
 
@@ -120,6 +126,9 @@ impl TransactionManager for PgStore {
 pub struct PgUnitOfWork {
     tx: Transaction<'static, Postgres>,
     dedup: DedupStorage,
+    outbox_signal: OutboxSignal,
+    /// Set by the outbox writes: the commit then wakes the relays (after the commit, never inside it).
+    pub(crate) wrote_outbox: bool,
 }
 
 impl PgUnitOfWork {
@@ -150,7 +159,12 @@ impl UnitOfWork for PgUnitOfWork {
         self
     }
     async fn commit(self: Box<Self>) -> Result<(), StoreError> {
-        self.tx.commit().await.map_err(map_sqlx_error)
+        let Self { tx, outbox_signal, wrote_outbox, .. } = *self;
+        tx.commit().await.map_err(map_sqlx_error)?;
+        if wrote_outbox {
+            outbox_signal.committed();
+        }
+        Ok(())
     }
     async fn rollback(self: Box<Self>) -> Result<(), StoreError> {
         self.tx.rollback().await.map_err(map_sqlx_error)

@@ -232,13 +232,18 @@ impl PaymentRepository for PgUnitOfWork {
         record(row)
     }
 
-    async fn find_by_order_for_update(&mut self, order_id: Uuid) -> Result<Option<PaymentRecord>, StoreError> {
+    async fn find_by_order_for_update(
+        &mut self,
+        merchant_id: &str,
+        order_id: Uuid,
+    ) -> Result<Option<PaymentRecord>, StoreError> {
         let row = sqlx::query_as!(
             PaymentRow,
             r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
                       currency AS "currency!", status, refunded_amount, created_at
-               FROM payment WHERE order_id = $1
+               FROM payment WHERE merchant_id = $1 AND order_id = $2
                ORDER BY created_at DESC, id DESC LIMIT 1 FOR UPDATE"#,
+            merchant_id,
             order_id,
         )
         .fetch_optional(self.connection())
@@ -452,6 +457,12 @@ impl ProcessedEventRepository for PgUnitOfWork {
     }
 }
 
+/// Number of key shards of the outbox (`key_shard` in the migrations); also the most advisory locks all
+/// relays together hold.
+pub const OUTBOX_KEY_SHARDS: i64 = 64;
+/// Most shards (so most advisory locks) one claim takes: a quarter, so four relay rounds share the keys.
+pub const SHARDS_PER_CLAIM: i64 = OUTBOX_KEY_SHARDS / 4;
+
 #[async_trait]
 impl OutboxRepository for PgUnitOfWork {
     async fn enqueue(&mut self, m: &NewOutboxMessage) -> Result<(), StoreError> {
@@ -459,6 +470,7 @@ impl OutboxRepository for PgUnitOfWork {
         if let Some(tp) = &m.traceparent {
             headers.insert("traceparent".into(), serde_json::Value::String(tp.clone()));
         }
+        self.wrote_outbox = true;
         sqlx::query!(
             r#"INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, headers,
                                           saga_id, created_at)
@@ -490,6 +502,7 @@ impl OutboxRepository for PgUnitOfWork {
                 None => serde_json::json!({}),
             })
             .collect();
+        self.wrote_outbox = true;
         sqlx::query!(
             r#"INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, headers, saga_id,
                                           created_at)
@@ -512,19 +525,33 @@ impl OutboxRepository for PgUnitOfWork {
     }
 
     async fn claim_unpublished(&mut self, limit: i64) -> Result<Vec<OutboxRecord>, StoreError> {
-        // Oldest first over the partial index of unpublished rows. A key whose rows another relay has
-        // claimed is skipped as a whole (transaction-scoped advisory lock per key), so one key's messages
-        // are never published by two relays at once, and never out of order.
+        // Keys are spread over OUTBOX_KEY_SHARDS shards (`key_shard`, a hash of the key). A claim first
+        // reads the shards of the oldest unpublished rows (no locks), then takes a transaction-scoped
+        // advisory lock on at most SHARDS_PER_CLAIM of them, and claims the oldest rows of the shards it
+        // holds. The lock function runs only over the distinct shards of a materialized set, so a claim
+        // holds at most SHARDS_PER_CLAIM advisory locks whatever plan the planner picks, and all relays
+        // together at most OUTBOX_KEY_SHARDS. A key belongs to one shard, so no two relays ever publish
+        // one key at once, and a key's rows are claimed in `seq` order. `FOR UPDATE` (no SKIP LOCKED: a
+        // skipped row would let a later row of its key overtake it) re-checks `published_at` against the
+        // latest committed version.
         let rows = sqlx::query!(
-            r#"SELECT id, topic, aggregatetype, aggregateid, type AS "event_type", payload::text AS "payload!", headers, saga_id,
+            r#"WITH candidates AS MATERIALIZED (
+                   SELECT key_shard FROM outbox_message WHERE published_at IS NULL ORDER BY seq LIMIT $1
+               ), held AS MATERIALIZED (
+                   SELECT s.key_shard
+                   FROM (SELECT DISTINCT key_shard FROM candidates) AS s
+                   WHERE pg_try_advisory_xact_lock(7368, s.key_shard)
+                   LIMIT $2
+               )
+               SELECT id, topic, aggregatetype, aggregateid, type AS "event_type", payload::text AS "payload!", headers, saga_id,
                       created_at, attempts
                FROM outbox_message
-               WHERE published_at IS NULL
-                 AND pg_try_advisory_xact_lock(hashtextextended(aggregateid, 7368))
+               WHERE published_at IS NULL AND key_shard IN (SELECT key_shard FROM held)
                ORDER BY seq
                LIMIT $1
-               FOR UPDATE SKIP LOCKED"#,
+               FOR UPDATE"#,
             limit,
+            SHARDS_PER_CLAIM,
         )
         .fetch_all(self.connection())
         .await

@@ -1,19 +1,103 @@
-//! LISTEN/NOTIFY wake-up of outbox relays.
+//! Waking outbox relays without serializing commits.
+//!
+//! A `NOTIFY` inside a business transaction takes a database-wide lock from pre-commit until the commit
+//! record is flushed: on a disk whose flush takes milliseconds every such transaction commits alone and
+//! group commit is lost. So nothing notifies inside business transactions. Instead:
+//!
+//! - **In process:** [`PgUnitOfWork`](crate::PgUnitOfWork) remembers that it wrote outbox rows and, after
+//!   its commit succeeded, bumps the store's [`OutboxSignal`]; a relay in the same process wakes at once.
+//! - **Across instances:** the same bump asks a background task to send one `NOTIFY outbox_message` in its
+//!   own transaction, at most once per [`NOTIFY_DEBOUNCE`] whatever the commit rate. Only those small
+//!   transactions contend for the notify lock. The payload is the sending instance's id, so a relay ignores
+//!   its own process's notifications (it was already woken in process).
+//! - **Fallback:** relays also poll every `poll_interval`, so a lost notification only delays a row.
 
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_ports::{OutboxWakeup, StoreError};
+use sqlx::PgPool;
 use sqlx::postgres::PgListener;
+use tokio::sync::{Notify, watch};
 
 use crate::error::map_sqlx_error;
 
-/// Channel notified by the `outbox_message_notify` trigger.
+/// Channel of the cross-instance wake-up.
 pub const OUTBOX_CHANNEL: &str = "outbox_message";
 
-/// Waits on `LISTEN outbox_message`, with the caller's timeout as the polling fallback.
+/// Shortest interval between two cross-instance notifications of one process.
+pub const NOTIFY_DEBOUNCE: Duration = Duration::from_millis(10);
+
+/// Announces committed outbox rows to relays (see the module docs). Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct OutboxSignal {
+    inner: Arc<SignalInner>,
+}
+
+#[derive(Debug)]
+struct SignalInner {
+    local: watch::Sender<u64>,
+    remote: Arc<Notify>,
+    notifier: OnceLock<()>,
+    instance: String,
+    pool: PgPool,
+}
+
+impl OutboxSignal {
+    pub(crate) fn new(pool: PgPool) -> Self {
+        let (local, _) = watch::channel(0);
+        #[allow(clippy::disallowed_methods)] // an instance id, not a domain id
+        let instance = uuid::Uuid::new_v4().to_string();
+        Self {
+            inner: Arc::new(SignalInner {
+                local,
+                remote: Arc::new(Notify::new()),
+                notifier: OnceLock::new(),
+                instance,
+                pool,
+            }),
+        }
+    }
+
+    /// Called after a transaction that wrote outbox rows committed.
+    pub fn committed(&self) {
+        self.inner.local.send_modify(|v| *v = v.wrapping_add(1));
+        self.inner.notifier.get_or_init(|| self.spawn_notifier());
+        self.inner.remote.notify_one();
+    }
+
+    fn spawn_notifier(&self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        let (remote, pool, instance) =
+            (self.inner.remote.clone(), self.inner.pool.clone(), self.inner.instance.clone());
+        runtime.spawn(async move {
+            loop {
+                remote.notified().await;
+                if pool.is_closed() {
+                    return;
+                }
+                if let Err(e) =
+                    sqlx::query("SELECT pg_notify($1, $2)").bind(OUTBOX_CHANNEL).bind(&instance).execute(&pool).await
+                {
+                    tracing::debug!(error = %e, "outbox NOTIFY failed; relays of other instances will poll");
+                }
+                tokio::time::sleep(NOTIFY_DEBOUNCE).await;
+            }
+        });
+    }
+
+    fn subscribe(&self) -> watch::Receiver<u64> {
+        self.inner.local.subscribe()
+    }
+}
+
+/// Waits for an in-process commit signal or another instance's `NOTIFY`, with the caller's timeout as the
+/// polling fallback.
 pub struct PgOutboxWakeup {
     listener: PgListener,
+    local: watch::Receiver<u64>,
+    instance: String,
 }
 
 impl std::fmt::Debug for PgOutboxWakeup {
@@ -23,25 +107,44 @@ impl std::fmt::Debug for PgOutboxWakeup {
 }
 
 impl PgOutboxWakeup {
-    pub async fn connect(pool: &sqlx::PgPool) -> Result<Self, StoreError> {
-        let mut listener = PgListener::connect_with(pool).await.map_err(map_sqlx_error)?;
+    pub async fn connect(store: &crate::PgStore) -> Result<Self, StoreError> {
+        let mut listener = PgListener::connect_with(store.pool()).await.map_err(map_sqlx_error)?;
         listener.listen(OUTBOX_CHANNEL).await.map_err(map_sqlx_error)?;
-        Ok(Self { listener })
+        let signal = store.outbox_signal();
+        let mut local = signal.subscribe();
+        local.mark_unchanged();
+        Ok(Self { listener, local, instance: signal.inner.instance.clone() })
     }
 }
 
 #[async_trait]
 impl OutboxWakeup for PgOutboxWakeup {
     async fn wait(&mut self, timeout: Duration) {
-        match tokio::time::timeout(timeout, self.listener.try_recv()).await {
-            Ok(Ok(Some(_))) | Err(_) => {
-                // Drain what else arrived meanwhile: one claim serves them all.
-                while self.listener.next_buffered().is_some() {}
-            }
-            Ok(Ok(None)) => {} // connection lost and re-established: poll now
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "outbox LISTEN failed; polling");
-                tokio::time::sleep(timeout).await;
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline) => return,
+                changed = self.local.changed() => {
+                    if changed.is_err() {
+                        tokio::time::sleep_until(deadline).await;
+                    }
+                    return;
+                }
+                n = self.listener.try_recv() => match n {
+                    // This process's own notification: its relay was already woken in process.
+                    Ok(Some(n)) if n.payload() == self.instance => continue,
+                    Ok(Some(_)) => {
+                        // Drain what else arrived meanwhile: one claim serves them all.
+                        while self.listener.next_buffered().is_some() {}
+                        return;
+                    }
+                    Ok(None) => return, // connection lost and re-established: poll now
+                    Err(e) => {
+                        tracing::warn!(error = %e, "outbox LISTEN failed; polling");
+                        tokio::time::sleep_until(deadline).await;
+                        return;
+                    }
+                },
             }
         }
     }

@@ -128,7 +128,7 @@ async fn spawn_relay(
     relay: &RelayArgs,
     registry: &mut Registry,
 ) -> anyhow::Result<()> {
-    let wakeup = PgOutboxWakeup::connect(store.pool()).await.context("LISTEN for outbox notifications")?;
+    let wakeup = PgOutboxWakeup::connect(store).await.context("LISTEN for outbox notifications")?;
     let relay = Relay::new(relay_settings(kafka, relay), Arc::new(store.clone()), Arc::new(SystemClock));
     relay.stats().register(registry);
     let token = group.token();

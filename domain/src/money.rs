@@ -27,6 +27,8 @@ pub enum MoneyError {
     MalformedCurrency,
     #[error("currency {0} is not an ISO 4217 currency")]
     UnknownCurrency(String),
+    #[error("{currency} amounts have at most {minor_units} decimal places (ISO 4217 minor units)")]
+    FinerThanMinorUnit { currency: String, minor_units: u32 },
 }
 
 /// A positive amount of money, at most 15 integer digits and 4 decimal places.
@@ -90,9 +92,10 @@ impl fmt::Display for Amount {
 }
 
 /// Renders a stored amount with exactly 4 decimal places, as the API and events show money.
-pub fn format_amount(value: Decimal) -> String {
+pub fn format_amount(value: Decimal, currency: &str) -> String {
+    let scale = Currency::parse(currency).map_or(MAX_SCALE, |c| c.minor_units());
     let mut v = value;
-    v.rescale(MAX_SCALE);
+    v.rescale(scale);
     v.to_string()
 }
 
@@ -100,30 +103,24 @@ pub fn format_amount(value: Decimal) -> String {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Currency([u8; 3]);
 
-/// Active ISO 4217 alphabetic codes (list of 2024), plus the precious-metal and testing codes excluded.
-const ISO_4217: &[&str] = &[
-    "AED", "AFN", "ALL", "AMD", "ANG", "AOA", "ARS", "AUD", "AWG", "AZN", "BAM", "BBD", "BDT", "BGN", "BHD", "BIF",
-    "BMD", "BND", "BOB", "BRL", "BSD", "BTN", "BWP", "BYN", "BZD", "CAD", "CDF", "CHF", "CLP", "CNY", "COP", "CRC",
-    "CUP", "CVE", "CZK", "DJF", "DKK", "DOP", "DZD", "EGP", "ERN", "ETB", "EUR", "FJD", "FKP", "GBP", "GEL", "GHS",
-    "GIP", "GMD", "GNF", "GTQ", "GYD", "HKD", "HNL", "HTG", "HUF", "IDR", "ILS", "INR", "IQD", "IRR", "ISK", "JMD",
-    "JOD", "JPY", "KES", "KGS", "KHR", "KMF", "KPW", "KRW", "KWD", "KYD", "KZT", "LAK", "LBP", "LKR", "LRD", "LSL",
-    "LYD", "MAD", "MDL", "MGA", "MKD", "MMK", "MNT", "MOP", "MRU", "MUR", "MVR", "MWK", "MXN", "MYR", "MZN", "NAD",
-    "NGN", "NIO", "NOK", "NPR", "NZD", "OMR", "PAB", "PEN", "PGK", "PHP", "PKR", "PLN", "PYG", "QAR", "RON", "RSD",
-    "RUB", "RWF", "SAR", "SBD", "SCR", "SDG", "SEK", "SGD", "SHP", "SLE", "SOS", "SRD", "SSP", "STN", "SVC", "SYP",
-    "SZL", "THB", "TJS", "TMT", "TND", "TOP", "TRY", "TTD", "TWD", "TZS", "UAH", "UGX", "USD", "UYU", "UZS", "VED",
-    "VES", "VND", "VUV", "WST", "XAF", "XCD", "XCG", "XOF", "XPF", "YER", "ZAR", "ZMW", "ZWG",
-];
-
 impl Currency {
     pub fn parse(s: &str) -> Result<Self, MoneyError> {
         let bytes: [u8; 3] = s.as_bytes().try_into().map_err(|_| MoneyError::MalformedCurrency)?;
         if !bytes.iter().all(u8::is_ascii_uppercase) {
             return Err(MoneyError::MalformedCurrency);
         }
-        if ISO_4217.binary_search(&s).is_err() {
-            return Err(MoneyError::UnknownCurrency(s.to_owned()));
+        // Active codes of the ISO 4217 table (the iso_currency crate): superseded codes, funds and the
+        // special codes (precious metals, testing, "no currency"), which have no minor unit, are refused.
+        match iso_currency::Currency::from_code(s) {
+            Some(c) if c.exponent().is_some() && c.is_superseded().is_none() && !c.is_fund() => Ok(Self(bytes)),
+            _ => Err(MoneyError::UnknownCurrency(s.to_owned())),
         }
-        Ok(Self(bytes))
+    }
+
+    /// ISO 4217 minor units: the most decimal places an amount in this currency may have (JPY 0, EUR 2,
+    /// BHD 3).
+    pub fn minor_units(&self) -> u32 {
+        iso_currency::Currency::from_code(self.as_str()).and_then(|c| c.exponent()).map_or(MAX_SCALE, u32::from)
     }
 
     pub fn as_str(&self) -> &str {
@@ -138,11 +135,28 @@ impl fmt::Display for Currency {
     }
 }
 
-/// An amount in a currency.
+/// An amount in a currency, never finer than the currency's minor unit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Money {
     pub amount: Amount,
     pub currency: Currency,
+}
+
+impl Money {
+    /// Refuses an amount with more decimal places than `currency` has minor units.
+    pub fn new(amount: Amount, currency: Currency) -> Result<Self, MoneyError> {
+        check_minor_units(amount, currency)?;
+        Ok(Self { amount, currency })
+    }
+}
+
+/// Whether `amount` fits `currency`'s minor unit (`12.345 EUR` does not; `12.340` does).
+pub fn check_minor_units(amount: Amount, currency: Currency) -> Result<(), MoneyError> {
+    let allowed = currency.minor_units();
+    if amount.value().normalize().scale() > allowed {
+        return Err(MoneyError::FinerThanMinorUnit { currency: currency.as_str().to_owned(), minor_units: allowed });
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -151,10 +165,17 @@ mod tests {
     use proptest::prelude::*;
 
     #[test]
-    fn iso_list_is_sorted_for_binary_search() {
-        let mut sorted = ISO_4217.to_vec();
-        sorted.sort_unstable();
-        assert_eq!(sorted, ISO_4217);
+    fn amounts_fit_their_currency_minor_units() {
+        let m = |a: &str, c: &str| Money::new(Amount::parse(a).expect("amount"), Currency::parse(c).expect("cur"));
+        assert!(m("10", "JPY").is_ok());
+        assert!(matches!(m("10.5", "JPY"), Err(MoneyError::FinerThanMinorUnit { minor_units: 0, .. })));
+        assert!(m("12.34", "EUR").is_ok() && m("12.340", "EUR").is_ok());
+        assert!(matches!(m("12.345", "EUR"), Err(MoneyError::FinerThanMinorUnit { minor_units: 2, .. })));
+        assert!(m("1.234", "BHD").is_ok());
+        assert!(matches!(m("1.2345", "BHD"), Err(MoneyError::FinerThanMinorUnit { minor_units: 3, .. })));
+        assert_eq!(format_amount(Decimal::new(123_000, 4), "EUR"), "12.30");
+        assert_eq!(format_amount(Decimal::new(10_000_000, 4), "JPY"), "1000");
+        assert_eq!(format_amount(Decimal::new(12_340, 4), "BHD"), "1.234");
     }
 
     #[test]

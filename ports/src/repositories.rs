@@ -71,8 +71,13 @@ pub trait PaymentRepository: Send {
     /// The payment with this id, locked for update until the unit ends.
     async fn get_for_update(&mut self, id: Uuid) -> Result<Option<PaymentRecord>, StoreError>;
 
-    /// The most recent payment of an order, locked for update until the unit ends.
-    async fn find_by_order_for_update(&mut self, order_id: Uuid) -> Result<Option<PaymentRecord>, StoreError>;
+    /// The most recent payment of `merchant_id` for an order, locked for update until the unit ends.
+    /// Order ids are only unique per merchant: never look one up across merchants.
+    async fn find_by_order_for_update(
+        &mut self,
+        merchant_id: &str,
+        order_id: Uuid,
+    ) -> Result<Option<PaymentRecord>, StoreError>;
 
     /// Inserts a refund and sets the payment's refunded amount and status.
     async fn apply_refund(

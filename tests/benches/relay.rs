@@ -123,7 +123,7 @@ async fn main() -> anyhow::Result<()> {
 
     // Throughput: a backlog drained by one relay.
     fill(&store, &topic, rows).await?;
-    let (stop, task, stats) = start_relay(&store, &brokers, batch, PgOutboxWakeup::connect(store.pool()).await?);
+    let (stop, task, stats) = start_relay(&store, &brokers, batch, PgOutboxWakeup::connect(&store).await?);
     let start = Instant::now();
     while unpublished(&store).await? > 0 {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -135,7 +135,7 @@ async fn main() -> anyhow::Result<()> {
 
     // Latency: a steady offered load, one row per transaction, relay idle between rows.
     sqlx::query("DELETE FROM outbox_message").execute(store.pool()).await?;
-    let (stop, task, _) = start_relay(&store, &brokers, batch, PgOutboxWakeup::connect(store.pool()).await?);
+    let (stop, task, _) = start_relay(&store, &brokers, batch, PgOutboxWakeup::connect(&store).await?);
     // warm-up: the new producer's first publish (connection, producer id, topic metadata) takes ~1 s
     fill(&store, &topic, 10).await?;
     while unpublished(&store).await? > 0 {

@@ -204,7 +204,7 @@ fn captured_message(
             "customer_id": payment.customer_id,
             "provider": payment.provider,
             "external_payment_id": payment.external_payment_id,
-            "amount": format_amount(payment.amount),
+            "amount": format_amount(payment.amount, &payment.currency),
             "currency": payment.currency,
         }),
         saga_id: cmd.saga_id,
@@ -278,7 +278,7 @@ mod tests {
                 m.event_type == "PaymentCaptured"
                     && m.aggregate_id == ORDER.to_string()
                     && m.topic == "payments"
-                    && m.payload["amount"] == "10.5000"
+                    && m.payload["amount"] == "10.50"
             })
             .times(1)
             .returning(|_| Ok(()));

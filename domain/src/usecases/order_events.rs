@@ -104,10 +104,11 @@ impl OrderEventHandler {
         }
         let action = match body {
             OrderEvent::OrderPlaced { customer_id, amount, currency, provider, external_payment_id, .. } => {
-                let money = Money {
-                    amount: Amount::parse(&amount).map_err(malformed)?,
-                    currency: Currency::parse(&currency).map_err(malformed)?,
-                };
+                let money = Money::new(
+                    Amount::parse(&amount).map_err(malformed)?,
+                    Currency::parse(&currency).map_err(malformed)?,
+                )
+                .map_err(malformed)?;
                 let mut cmd = ChargeCommand::new(
                     &self.merchant_id,
                     order_id,
@@ -212,21 +213,22 @@ impl EventHandler for OrderEventHandler {
 }
 
 impl OrderEventHandler {
-    /// Refunds what is left of the order's payment.
+    /// Refunds what is left of the order's payment — only a payment of the order stream's own merchant:
+    /// HTTP merchants choose order ids freely, so an order id alone must never reach their payments.
     async fn compensate(
         &self,
         uow: &mut dyn UnitOfWork,
         order_id: Uuid,
         saga_id: Uuid,
     ) -> Result<serde_json::Value, HandlerError> {
-        let Some(payment) = uow.payments().find_by_order_for_update(order_id).await? else {
+        let Some(payment) = uow.payments().find_by_order_for_update(&self.merchant_id, order_id).await? else {
             return Ok(json!({ "skipped": "no payment for the order" }));
         };
         let Ok(amount) = Amount::try_from(refundable(&payment)) else {
             return Ok(json!({ "skipped": "nothing left to refund", "payment_id": payment.id }));
         };
         let cmd = RefundCommand {
-            merchant_id: None,
+            merchant_id: Some(self.merchant_id.clone()),
             payment_id: payment.id,
             amount,
             reason: Some("order cancelled".into()),
@@ -234,9 +236,9 @@ impl OrderEventHandler {
             traceparent: None,
         };
         match refund_payment(uow, self.env(), &cmd).await {
-            Ok((refund, _)) => {
-                Ok(json!({ "refund_id": refund.id, "payment_id": payment.id, "amount": format_amount(refund.amount) }))
-            }
+            Ok((refund, _)) => Ok(
+                json!({ "refund_id": refund.id, "payment_id": payment.id, "amount": format_amount(refund.amount, &payment.currency) }),
+            ),
             Err(RefundError::Store(e)) => Err(e.into()),
             Err(e) => Err(HandlerError::Rejected(e.to_string())),
         }

@@ -26,6 +26,9 @@ pub enum RefundError {
     /// No such payment, or it belongs to another merchant (the two are indistinguishable on purpose).
     #[error("payment not found")]
     NotFound,
+    /// The amount is finer than the payment's currency allows; nothing was changed.
+    #[error(transparent)]
+    Amount(crate::money::MoneyError),
     #[error(transparent)]
     Rule(#[from] RefundRuleError),
     #[error(transparent)]
@@ -45,6 +48,8 @@ pub async fn refund_payment(
         .await?
         .filter(|p| cmd.merchant_id.as_ref().is_none_or(|m| *m == p.merchant_id))
         .ok_or(RefundError::NotFound)?;
+    let currency = crate::money::Currency::parse(&payment.currency).map_err(RefundError::Amount)?;
+    crate::money::check_minor_units(cmd.amount, currency).map_err(RefundError::Amount)?;
     let plan = plan_refund(&payment, cmd.amount)?;
     let now = env.clock.now();
     let refund = NewRefund {
@@ -66,9 +71,9 @@ pub async fn refund_payment(
             "payment_id": payment.id,
             "refund_id": record.id,
             "order_id": payment.order_id,
-            "amount": format_amount(record.amount),
+            "amount": format_amount(record.amount, &payment.currency),
             "currency": payment.currency,
-            "refunded_total": format_amount(plan.refunded_amount),
+            "refunded_total": format_amount(plan.refunded_amount, &payment.currency),
             "status": plan.status,
         }),
         saga_id: cmd.saga_id,
@@ -161,13 +166,22 @@ mod tests {
     }
 
     #[test]
+    fn a_refund_finer_than_the_currency_is_refused_before_writing() {
+        let mut uow = MockUnitOfWork::default();
+        uow.payments.expect_get_for_update().returning(|_| Ok(Some(payment("a"))));
+        uow.payments.expect_apply_refund().never();
+        uow.outbox.expect_enqueue().never();
+        assert!(matches!(run(&mut uow, "a", "0.001"), Err(RefundError::Amount(_))));
+    }
+
+    #[test]
     fn over_refund_is_refused_before_writing() {
         let mut uow = MockUnitOfWork::default();
         uow.payments.expect_get_for_update().returning(|_| Ok(Some(payment("a"))));
         uow.payments.expect_apply_refund().never();
         uow.outbox.expect_enqueue().never();
         assert!(matches!(
-            run(&mut uow, "a", "100.0001"),
+            run(&mut uow, "a", "100.01"),
             Err(RefundError::Rule(RefundRuleError::ExceedsCaptured { .. }))
         ));
     }

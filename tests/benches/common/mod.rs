@@ -101,6 +101,9 @@ pub async fn start_service(bin: &str, db_url: &str, port: u16, layer: &str) -> a
         .env("HTTP_ADDR", format!("127.0.0.1:{port}"))
         .env("IDEM_API_KEYS", format!("bench:{API_KEY}"))
         .env("IDEMPOTENCY_LAYER", layer)
+        // Group commit needs as many concurrent committers as clients: one connection per client, plus the
+        // consumer's and the relay's.
+        .env("DATABASE_MAX_CONNECTIONS", (env_or("BENCH_CONCURRENCY", 8usize) + 8).max(32).to_string())
         .env("RUST_LOG", "warn")
         .spawn()?;
     let base = format!("http://127.0.0.1:{port}");

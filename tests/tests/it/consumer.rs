@@ -387,3 +387,41 @@ async fn consumer_lag_is_reported() -> anyhow::Result<()> {
     assert!(reported, "lag gauge reached {} (want >= 15)", stats.lag.get());
     Ok(())
 }
+
+/// Issue 11.1: HTTP merchants choose order ids freely; an `OrderCancelled` on the orders topic must only
+/// ever compensate the order stream's own payment of that order, never another merchant's.
+#[tokio::test]
+async fn an_order_cancellation_never_refunds_another_merchants_payment() -> anyhow::Result<()> {
+    use idem_domain::usecases::{ChargeCommand, Env, charge_payment};
+    use idem_domain::{Amount, Currency, Money};
+    use idem_ports::{Clock, EventHandler, InboundEvent};
+    let db = TestDb::new().await?;
+    let order = Uuid::now_v7();
+    let (clock, ids) = (SystemClock, UuidV7Generator);
+    let env = Env { clock: &clock as &dyn Clock, ids: &ids, payments_topic: "payments" };
+    let money = Money::new(Amount::parse("10.00").expect("amount"), Currency::parse("EUR").expect("currency"))?;
+    let cmd = ChargeCommand::new("merchant_a", order, Uuid::now_v7(), "stripe", "pi_http_a", money)
+        .map_err(|e| anyhow::anyhow!("{}: {}", e.field, e.reason))?;
+    let mut uow = db.store.begin().await?;
+    charge_payment(uow.as_mut(), env, &cmd).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    uow.commit().await?;
+
+    let cancel = |version: i64| InboundEvent {
+        event_id: Uuid::now_v7(),
+        saga_id: Some(Uuid::now_v7()),
+        topic: "orders".into(),
+        partition: 0,
+        offset: version,
+        key: Some(order.to_string().into_bytes()),
+        payload: cancelled(order, version),
+    };
+    let mut uow = db.store.begin().await?;
+    handler().handle(uow.as_mut(), &cancel(2)).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    uow.commit().await?;
+    assert_eq!(db.count("refund").await?, 0, "the order stream refunded merchant_a's payment");
+    let status: String = sqlx::query_scalar("SELECT status::text FROM payment WHERE merchant_id = 'merchant_a'")
+        .fetch_one(db.pool())
+        .await?;
+    assert_eq!(status, "captured");
+    Ok(())
+}

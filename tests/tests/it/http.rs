@@ -127,7 +127,7 @@ async fn replay_is_byte_for_byte() -> anyhow::Result<()> {
     let body = charge_body("pi_replay", "12.34");
     let first = api.charge(KEY_A, "key-replay", &body).await?;
     assert_eq!(first.status, 201);
-    assert_eq!(first.json()["amount"], "12.3400");
+    assert_eq!(first.json()["amount"], "12.34");
     assert_eq!(first.json()["status"], "captured");
     assert!(first.header("idempotent-replayed").is_none());
     let second = api.charge(KEY_A, "key-replay", &body).await?;
@@ -225,7 +225,7 @@ async fn keys_are_scoped_by_merchant() -> anyhow::Result<()> {
     assert_eq!(b.status, 201, "merchant B executes its own request");
     assert!(b.header("idempotent-replayed").is_none());
     assert_ne!(a.json()["id"], b.json()["id"]);
-    assert_eq!(b.json()["amount"], "7.0000");
+    assert_eq!(b.json()["amount"], "7.00");
     // B sending A's exact request under A's key still never sees A's response
     let b2 = api.charge(KEY_B, "shared-key-2", &charge_body("pi_iso_a", "5.00")).await?;
     assert_eq!(b2.status, 409);
@@ -281,7 +281,7 @@ async fn refunds_and_reads() -> anyhow::Result<()> {
     let other_merchant = api.post(&path, KEY_B, Some("rf-5"), r#"{"amount":"1"}"#).await?;
     assert_eq!(other_merchant.status, 404);
     let got = api.get(&format!("/payments/{id}"), KEY_A).await?;
-    assert_eq!((got.status, got.json()["refunded_amount"].clone()), (200, json!("10.0000")));
+    assert_eq!((got.status, got.json()["refunded_amount"].clone()), (200, json!("10.00")));
     assert_eq!(api.db.count("refund").await?, 2);
     Ok(())
 }
@@ -597,5 +597,139 @@ async fn every_documented_api_operation_is_routed() -> anyhow::Result<()> {
     // and an undocumented route is the fallback
     let reply = api.get("/payments", KEY_A).await?;
     assert_eq!(reply.status, 405);
+    Ok(())
+}
+
+/// A transaction manager whose units commit for real and then report a lost connection: what a client
+/// sees when the connection drops during COMMIT after the server applied it.
+struct LostAfterCommit {
+    inner: PgStore,
+}
+
+struct LostAfterCommitUow {
+    inner: Box<dyn idem_ports::UnitOfWork>,
+}
+
+#[async_trait::async_trait]
+impl TransactionManager for LostAfterCommit {
+    async fn begin(&self) -> Result<Box<dyn idem_ports::UnitOfWork>, idem_ports::StoreError> {
+        Ok(Box::new(LostAfterCommitUow { inner: self.inner.begin().await? }))
+    }
+}
+
+#[async_trait::async_trait]
+impl idem_ports::UnitOfWork for LostAfterCommitUow {
+    fn payments(&mut self) -> &mut dyn idem_ports::PaymentRepository {
+        self.inner.payments()
+    }
+    fn idempotency(&mut self) -> &mut dyn idem_ports::IdempotencyRepository {
+        self.inner.idempotency()
+    }
+    fn processed_events(&mut self) -> &mut dyn idem_ports::ProcessedEventRepository {
+        self.inner.processed_events()
+    }
+    fn outbox(&mut self) -> &mut dyn idem_ports::OutboxRepository {
+        self.inner.outbox()
+    }
+    fn saga_steps(&mut self) -> &mut dyn idem_ports::SagaStepRepository {
+        self.inner.saga_steps()
+    }
+    fn projections(&mut self) -> &mut dyn idem_ports::ProjectionRepository {
+        self.inner.projections()
+    }
+    async fn commit(self: Box<Self>) -> Result<(), idem_ports::StoreError> {
+        self.inner.commit().await?;
+        Err(idem_ports::StoreError::Unavailable("connection reset during COMMIT".into()))
+    }
+    async fn rollback(self: Box<Self>) -> Result<(), idem_ports::StoreError> {
+        self.inner.rollback().await
+    }
+}
+
+/// Issue 11.5: a commit whose outcome is unknown must not be reported as "not executed": 503 saying the
+/// outcome is unknown; the retry with the same key then replays what was committed.
+#[tokio::test]
+async fn a_commit_with_an_unknown_outcome_says_so_and_the_retry_replays() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let tm: Arc<dyn TransactionManager> = Arc::new(LostAfterCommit { inner: db.store.clone() });
+    let layer = IdempotencyLayer::new(tm.clone(), Arc::new(SystemClock), layer_config(StatusCode::CONFLICT));
+    let state = ApiState { tm, ..api_state(&db.store) };
+    let lossy = idem_tests::serve(idem_http::router(state, keys(), layer)).await?;
+    let api = spawn_with(db, StatusCode::CONFLICT).await?;
+    let body = charge_body("pi_unknown", "10.00").to_string();
+    let first = api
+        .send(
+            api.http
+                .post(format!("{lossy}/payments"))
+                .bearer_auth(KEY_A)
+                .header("idempotency-key", "unknown-1")
+                .header("content-type", "application/json")
+                .body(body.clone()),
+        )
+        .await?;
+    assert_eq!(first.status, 503);
+    assert_eq!(first.problem_type(), "urn:idem:problem:outcome-unknown");
+    let detail = first.json()["detail"].as_str().unwrap_or_default().to_owned();
+    assert!(!detail.contains("not executed"), "{detail}");
+    assert!(detail.contains("same Idempotency-Key"), "{detail}");
+    assert!(first.header("retry-after").is_some());
+    // The commit did happen: the retry replays it, and there is one payment.
+    let retry = api.post("/payments", KEY_A, Some("unknown-1"), &body).await?;
+    assert_eq!(retry.status, 201, "{}", String::from_utf8_lossy(&retry.body));
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(api.db.count("payment").await?, 1);
+    Ok(())
+}
+
+/// Issue 11.4: a request refused before the handler changed anything (here a path parameter that is not a
+/// payment id) never burns its key: the corrected request with the same key executes.
+#[tokio::test]
+async fn a_refusal_before_execution_leaves_the_key_free() -> anyhow::Result<()> {
+    let api = spawn().await?;
+    let paid = api.charge(KEY_A, "burn-charge", &charge_body("pi_burn", "10.00")).await?;
+    let id = paid.json()["id"].as_str().unwrap_or_default().to_owned();
+    let bad = api.post("/payments/not-a-uuid/refund", KEY_A, Some("burn-1"), r#"{"amount":"1.00"}"#).await?;
+    assert!(matches!(bad.status, 400 | 404 | 422), "{}", bad.status);
+    let good = api.post(&format!("/payments/{id}/refund"), KEY_A, Some("burn-1"), r#"{"amount":"1.00"}"#).await?;
+    assert_eq!(good.status, 201, "the key was burnt: {}", String::from_utf8_lossy(&good.body));
+    let missing = api
+        .post(&format!("/payments/{}/refund", Uuid::now_v7()), KEY_A, Some("burn-2"), r#"{"amount":"1.00"}"#)
+        .await?;
+    assert_eq!(missing.status, 404);
+    let corrected = api.post(&format!("/payments/{id}/refund"), KEY_A, Some("burn-2"), r#"{"amount":"2.00"}"#).await?;
+    assert_eq!(corrected.status, 201, "a 404 for an unknown payment burnt the key");
+    Ok(())
+}
+
+/// Issue 11.3: an amount finer than its currency's minor unit is refused (422 naming the field), for
+/// charges and refunds; amounts are answered at the currency's scale.
+#[tokio::test]
+async fn amounts_respect_their_currency_minor_units() -> anyhow::Result<()> {
+    let api = spawn().await?;
+    let with = |currency: &str, amount: &str, ext: &str| {
+        let mut b = charge_body(ext, amount);
+        b["currency"] = json!(currency);
+        b
+    };
+    for (i, (currency, amount)) in
+        [("JPY", "10.5"), ("EUR", "12.345"), ("BHD", "1.2345"), ("USD", "0.001")].into_iter().enumerate()
+    {
+        let r = api.charge(KEY_A, &format!("minor-{i}"), &with(currency, amount, &format!("pi_minor_{i}"))).await?;
+        assert_eq!(r.status, 422, "{amount} {currency}: {}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.problem_type(), "urn:idem:problem:invalid-field");
+        assert_eq!(r.json()["field"], "amount", "{amount} {currency}");
+    }
+    let jpy = api.charge(KEY_A, "minor-ok-jpy", &with("JPY", "1000", "pi_jpy")).await?;
+    assert_eq!(jpy.status, 201, "{}", String::from_utf8_lossy(&jpy.body));
+    assert_eq!(jpy.json()["amount"], "1000");
+    let bhd = api.charge(KEY_A, "minor-ok-bhd", &with("BHD", "1.234", "pi_bhd")).await?;
+    assert_eq!(bhd.status, 201);
+    assert_eq!(bhd.json()["amount"], "1.234");
+    let eur = api.charge(KEY_A, "minor-ok-eur", &with("EUR", "12.3", "pi_eur")).await?;
+    assert_eq!(eur.json()["amount"], "12.30");
+    let id = eur.json()["id"].as_str().unwrap_or_default().to_owned();
+    let refund = api.post(&format!("/payments/{id}/refund"), KEY_A, Some("minor-r"), r#"{"amount":"0.001"}"#).await?;
+    assert_eq!(refund.status, 422);
+    assert_eq!(refund.json()["field"], "amount");
     Ok(())
 }

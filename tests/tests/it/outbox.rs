@@ -49,7 +49,7 @@ async fn start_relay(
     settings.producer.delivery_timeout = Duration::from_secs(5);
     let relay = Relay::new(settings, tm, Arc::new(SystemClock));
     let stats = relay.stats();
-    let wakeup = PgOutboxWakeup::connect(store.pool()).await?;
+    let wakeup = PgOutboxWakeup::connect(store).await?;
     let stop = CancellationToken::new();
     let token = stop.clone();
     let task = tokio::spawn(async move {
@@ -354,5 +354,106 @@ async fn a_saga_step_run_twice_has_one_effect() -> anyhow::Result<()> {
     }
     assert_eq!(runs, 1);
     assert_eq!(db.count("outbox_message").await?, 1);
+    Ok(())
+}
+
+/// Issue 12: a business transaction that writes an outbox row must not execute NOTIFY (it serializes every
+/// commit of the database behind one lock). The relay is still woken: in process after the commit, and
+/// other instances by one debounced NOTIFY sent outside the business transaction, carrying the sender's
+/// instance id.
+#[tokio::test]
+async fn business_commits_do_not_notify_and_relays_are_still_woken() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    // Another instance's relay, listening.
+    let mut listener = sqlx::postgres::PgListener::connect_with(db.pool()).await?;
+    listener.listen(idem_postgres::OUTBOX_CHANNEL).await?;
+
+    // What a business transaction runs, on its own connection: the NOTIFY can only come from inside it.
+    let mut tx = db.pool().begin().await?;
+    sqlx::query(
+        "INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, headers, created_at)
+         VALUES ($1, 't', 'order', 'k', 'Test', '{}', '{}', now())",
+    )
+    .bind(Uuid::now_v7())
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    let inside = tokio::time::timeout(Duration::from_millis(500), listener.recv()).await;
+    assert!(inside.is_err(), "a business transaction executed NOTIFY: {inside:?}");
+
+    // Through the unit of work: the commit wakes a relay of this process at once ...
+    let mut wakeup = PgOutboxWakeup::connect(&db.store).await?;
+    let waiting = tokio::spawn(async move {
+        let started = std::time::Instant::now();
+        idem_ports::OutboxWakeup::wait(&mut wakeup, Duration::from_secs(10)).await;
+        started.elapsed()
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut uow = db.store.begin().await?;
+    uow.outbox().enqueue(&message("t", "k", json!({"type": "Test"}))).await?;
+    uow.commit().await?;
+    let waited = waiting.await?;
+    assert!(waited < Duration::from_secs(5), "the in-process relay was not woken: {waited:?}");
+    // ... and other instances get one notification, sent after the commit by the store's notifier.
+    let n = tokio::time::timeout(Duration::from_secs(5), listener.recv()).await??;
+    assert!(!n.payload().is_empty(), "notification without the sender's instance id");
+    Ok(())
+}
+
+/// Writes `n` unpublished rows over `n` distinct keys in one statement (a backlog after a broker outage).
+async fn backlog(db: &TestDb, topic: &str, n: i64) -> anyhow::Result<()> {
+    sqlx::query(
+        "INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, headers, created_at)
+         SELECT gen_random_uuid(), $1, 'order', 'key-' || i, 'Test', jsonb_build_object('n', i), '{}', now()
+         FROM generate_series(1, $2) AS i",
+    )
+    .bind(topic)
+    .bind(n)
+    .execute(db.pool())
+    .await?;
+    Ok(())
+}
+
+/// Issue 10.3: the locks a claim takes are bounded by design, whatever plan the planner picks. Right after
+/// a burst (no statistics) or with index scans off, a claim used to evaluate its per-key advisory lock on
+/// every unpublished row and exhaust the lock table (`out of shared memory`).
+#[tokio::test]
+async fn a_claim_takes_a_bounded_number_of_locks_whatever_the_plan() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    backlog(&db, "t", 50_000).await?;
+    for forced in ["SET LOCAL enable_indexscan = off", "SET LOCAL enable_indexscan = on"] {
+        let mut uow = db.store.begin_pg().await?;
+        sqlx::query(forced).execute(uow.connection()).await?;
+        let rows = idem_ports::OutboxRepository::claim_unpublished(&mut uow, 2000).await?;
+        assert!(!rows.is_empty() && rows.len() <= 2000, "{forced}: {} rows", rows.len());
+        let locks: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()")
+                .fetch_one(uow.connection())
+                .await?;
+        assert!(locks <= 64, "{forced}: a claim holds {locks} advisory locks");
+    }
+    Ok(())
+}
+
+/// Issue 10.3 at full size: a 50,000-row backlog over distinct keys drained by concurrent relay rounds
+/// with the planner forced off index scans: every row published once, no lock error.
+#[tokio::test]
+async fn a_large_backlog_drains_with_index_scans_off() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let topic = unique_topic("payments");
+    create_topic(&brokers, &topic, 3).await?;
+    let name: String = sqlx::query_scalar("SELECT current_database()").fetch_one(db.pool()).await?;
+    sqlx::query(&format!("ALTER DATABASE {name} SET enable_indexscan = off")).execute(db.pool()).await?;
+    let store = PgStore::connect(&db.url, &idem_postgres::PoolSettings::default()).await?;
+    let n = 50_000;
+    backlog(&db, &topic, n).await?;
+    let relay = start_relay(Arc::new(store.clone()), &store, &brokers, 2000).await?;
+    let drained = db.all_published_within(Duration::from_secs(240)).await?;
+    let stats = relay.stats.clone();
+    relay.stop().await;
+    assert!(drained, "{} rows still unpublished", db.unpublished().await?);
+    assert_eq!(stats.published.get(), n as u64, "every row published exactly once");
+    assert_eq!(stats.failed.get(), 0);
     Ok(())
 }
