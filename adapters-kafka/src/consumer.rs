@@ -113,10 +113,12 @@ impl ConsumerStats {
     }
 }
 
-/// Logs rebalances. Offsets are only ever stored after their transaction committed and auto-commit is
-/// off, so a revocation can never commit the offset of an uncommitted message.
+/// Tracks the assignment and the committable positions. Offsets are only ever recorded after their
+/// transaction committed and auto-commit is off, so a revocation can never commit the offset of an
+/// uncommitted message.
 struct RunnerContext {
     lag: Gauge,
+    offsets: Offsets,
 }
 
 impl ClientContext for RunnerContext {
@@ -132,13 +134,27 @@ impl ClientContext for RunnerContext {
     }
 }
 
+fn partitions(tpl: &TopicPartitionList) -> Vec<(String, i32)> {
+    tpl.elements().iter().map(|e| (e.topic().to_owned(), e.partition())).collect()
+}
+
 impl ConsumerContext for RunnerContext {
-    fn pre_rebalance(&self, _: &rdkafka::consumer::BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn pre_rebalance(&self, consumer: &rdkafka::consumer::BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         match rebalance {
             Rebalance::Revoke(tpl) => {
+                // Commit what committed for the partitions leaving, then forget them: their next owner
+                // moves them on, and a position of ours committed later would push it back.
+                let revoked = partitions(tpl);
+                let leaving = self.offsets.release(&revoked);
+                if leaving.count() > 0
+                    && let Err(e) = consumer.commit(&leaving, CommitMode::Sync)
+                {
+                    tracing::warn!(error = %e, "offset commit on revocation failed; the next owner re-reads and dedups");
+                }
                 tracing::info!(partitions = tpl.count(), "partitions revoked")
             }
             Rebalance::Assign(tpl) => {
+                self.offsets.assign(&partitions(tpl));
                 tracing::info!(partitions = tpl.count(), "partitions assigned")
             }
             Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
@@ -316,7 +332,7 @@ impl Runner {
                 .consumer
                 .client_config()
                 .set("statistics.interval.ms", "5000")
-                .create_with_context(RunnerContext { lag: self.stats.lag.clone() })
+                .create_with_context(RunnerContext { lag: self.stats.lag.clone(), offsets: Offsets::default() })
                 .map_err(RunnerError::Config)?;
             consumer.subscribe(&[&self.settings.topic]).map_err(RunnerError::Config)?;
             tracing::info!(topic = %self.settings.topic, group = %self.settings.consumer.group_id, "consumer started");
@@ -343,7 +359,7 @@ impl Runner {
         rejections: &mut HashMap<(i32, i64), u32>,
         shutdown: &CancellationToken,
     ) -> Consumed {
-        let mut done = Offsets::default();
+        let done = &consumer.context().offsets;
         let outcome = loop {
             let batch = match self.next_batch(consumer, shutdown).await {
                 Ok(Some(batch)) => batch,
@@ -437,10 +453,23 @@ impl Runner {
             }
         }
         let mut backoff = Backoff::new();
+        // After a failure the handler could not pin on one event (a set-based statement of the whole
+        // batch), the rest of the batch runs one event per transaction, so the failure lands on the event
+        // that causes it and never on an innocent neighbour.
+        let mut isolating = false;
         loop {
-            let only_events: Vec<&InboundEvent> = events.iter().map(|(_, e)| e).collect();
-            match self.apply(&only_events).await {
+            let outcome = if isolating {
+                self.apply_one_by_one(&mut events).await
+            } else {
+                let only_events: Vec<&InboundEvent> = events.iter().map(|(_, e)| e).collect();
+                self.apply(&only_events).await
+            };
+            match outcome {
                 BatchOutcome::Committed => break,
+                BatchOutcome::EventFailed { error: HandlerError::Store(e), .. } if events.len() > 1 && !isolating => {
+                    tracing::warn!(error = %e, "batch failed in a set-based statement; retrying event by event");
+                    isolating = true;
+                }
                 BatchOutcome::Transient(e) => {
                     self.stats.transient_failures.inc_by(1);
                     tracing::warn!(error = %e, "batch rolled back on a transient failure; retrying");
@@ -476,6 +505,21 @@ impl Runner {
             }
         }
         true
+    }
+
+    /// One unit of work per event, in order; committed events leave `events`. On a failure, `index` 0 is
+    /// the failing event (the first one left).
+    async fn apply_one_by_one(&self, events: &mut Vec<(&Received, InboundEvent)>) -> BatchOutcome {
+        while let Some((_, event)) = events.first() {
+            match self.apply(&[event]).await {
+                BatchOutcome::Committed => {
+                    events.remove(0);
+                }
+                BatchOutcome::EventFailed { error, .. } => return BatchOutcome::EventFailed { index: 0, error },
+                transient @ BatchOutcome::Transient(_) => return transient,
+            }
+        }
+        BatchOutcome::Committed
     }
 
     /// One unit of work over the batch.
@@ -593,30 +637,77 @@ impl Runner {
     }
 }
 
-/// Per partition, the offset after the last message whose transaction committed.
+/// Per assigned partition, the offset after the last message whose transaction committed. Only partitions
+/// currently assigned are recorded and committed: a member never commits a position for a partition
+/// another member owns (Kafka's classic group protocol accepts such a commit from any current member, and
+/// it would move the owner's committed offset backwards).
 #[derive(Default)]
-struct Offsets(HashMap<(String, i32), i64>);
+struct Offsets(std::sync::Mutex<OffsetsInner>);
+
+#[derive(Default)]
+struct OffsetsInner {
+    assigned: HashSet<(String, i32)>,
+    done: HashMap<(String, i32), i64>,
+}
 
 impl Offsets {
-    fn advance(&mut self, batch: &[Received]) {
+    fn lock(&self) -> std::sync::MutexGuard<'_, OffsetsInner> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn assign(&self, partitions: &[(String, i32)]) {
+        let mut inner = self.lock();
+        for p in partitions {
+            inner.done.remove(p); // a position from an earlier ownership is stale
+            inner.assigned.insert(p.clone());
+        }
+    }
+
+    /// Forgets `partitions`; returns their last committable positions.
+    fn release(&self, partitions: &[(String, i32)]) -> TopicPartitionList {
+        let mut inner = self.lock();
+        let mut tpl = TopicPartitionList::new();
+        for p in partitions {
+            inner.assigned.remove(p);
+            if let Some(offset) = inner.done.remove(p)
+                && let Err(e) = tpl.add_partition_offset(&p.0, p.1, Offset::Offset(offset))
+            {
+                tracing::warn!(error = %e, "bad offset");
+            }
+        }
+        tpl
+    }
+
+    fn advance(&self, batch: &[Received]) {
+        let mut inner = self.lock();
         for m in batch {
-            let e = self.0.entry((m.topic.clone(), m.partition)).or_insert(m.offset + 1);
+            let key = (m.topic.clone(), m.partition);
+            if !inner.assigned.contains(&key) {
+                continue; // revoked while the batch ran: its new owner re-reads and dedups
+            }
+            let e = inner.done.entry(key).or_insert(m.offset + 1);
             *e = (*e).max(m.offset + 1);
         }
     }
 
     fn commit(&self, consumer: &StreamConsumer<RunnerContext>, mode: CommitMode) {
-        if self.0.is_empty() {
+        let tpl = {
+            let inner = self.lock();
+            let mut tpl = TopicPartitionList::new();
+            for ((topic, partition), offset) in &inner.done {
+                if inner.assigned.contains(&(topic.clone(), *partition))
+                    && let Err(e) = tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset))
+                {
+                    tracing::warn!(error = %e, "bad offset");
+                }
+            }
+            tpl
+        };
+        if tpl.count() == 0 {
             return;
         }
-        let mut tpl = TopicPartitionList::new();
-        for ((topic, partition), offset) in &self.0 {
-            if let Err(e) = tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset)) {
-                tracing::warn!(error = %e, "bad offset");
-            }
-        }
         if let Err(e) = consumer.commit(&tpl, mode) {
-            // Typically a partition revoked meanwhile: its new owner resumes from the last commit and
+            // Typically a rebalance under way: the partition's owner resumes from the last commit and
             // dedups what it sees again.
             tracing::warn!(error = %e, "offset commit failed");
         }

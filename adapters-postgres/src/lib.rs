@@ -20,7 +20,7 @@ use idem_ports::{
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Postgres, Transaction};
 
-pub use error::map_sqlx_error;
+pub use error::{is_transient_sqlstate, map_sqlx_error};
 pub use wakeup::{NOTIFY_DEBOUNCE, OUTBOX_CHANNEL, OutboxSignal, PgOutboxWakeup};
 
 /// The migrations in `migrations/`, embedded in the binary.

@@ -425,3 +425,89 @@ async fn an_order_cancellation_never_refunds_another_merchants_payment() -> anyh
     assert_eq!(status, "captured");
     Ok(())
 }
+
+/// Reads the group's committed offsets every 100 ms until `stop`; returns every backwards move seen.
+fn sample_committed(
+    brokers: String,
+    group: String,
+    topic: String,
+    partitions: i32,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<anyhow::Result<(usize, Vec<String>)>> {
+    tokio::task::spawn_blocking(move || {
+        use rdkafka::consumer::{BaseConsumer, Consumer};
+        let c: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .set("group.id", &group)
+            .set("enable.auto.commit", "false")
+            .create()?;
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        for p in 0..partitions {
+            tpl.add_partition(&topic, p);
+        }
+        let mut high: std::collections::HashMap<i32, i64> = std::collections::HashMap::new();
+        let (mut samples, mut backwards) = (0, Vec::new());
+        while !stop.load(Ordering::SeqCst) {
+            if let Ok(committed) = c.committed_offsets(tpl.clone(), Duration::from_secs(2)) {
+                samples += 1;
+                for e in committed.elements() {
+                    if let rdkafka::Offset::Offset(o) = e.offset() {
+                        let h = high.entry(e.partition()).or_insert(o);
+                        if o < *h {
+                            backwards.push(format!("partition {} went back from {} to {o}", e.partition(), *h));
+                        }
+                        *h = (*h).max(o);
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok((samples, backwards))
+    })
+}
+
+/// Issue 10.4: a member must never commit positions of partitions it no longer owns. Two members under
+/// load, a member joining and leaving: the group's committed offsets, sampled all along, never go back.
+#[tokio::test]
+async fn committed_offsets_never_move_backwards_across_rebalances() -> anyhow::Result<()> {
+    let (db, brokers, topic) = setup(4).await?;
+    let group = unique_topic("g");
+    let n = 1500usize;
+    let load = {
+        let (brokers, topic) = (brokers.clone(), topic.clone());
+        tokio::spawn(async move {
+            let p = producer(&brokers)?;
+            for i in 0..n {
+                let order = Uuid::now_v7();
+                send(&p, &topic, order, Uuid::now_v7(), &placed(order, &format!("pi_rb_{i}"), 1)).await?;
+                if i % 25 == 0 {
+                    tokio::time::sleep(Duration::from_millis(60)).await;
+                }
+            }
+            anyhow::Ok(())
+        })
+    };
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = sample_committed(brokers.clone(), group.clone(), topic.clone(), 4, stop.clone());
+    let a = start(Arc::new(db.store.clone()), settings(&brokers, &group, &topic, 20));
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let b = start(Arc::new(db.store.clone()), settings(&brokers, &group, &topic, 20));
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    b.stop().await;
+    load.await??;
+    let done = eventually(Duration::from_secs(90), || async { Ok(db.count("payment").await? >= n as i64) }).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    a.stop().await;
+    stop.store(true, Ordering::SeqCst);
+    let (samples, backwards) = sampler.await??;
+    assert!(done, "only {} of {n} payments", db.count("payment").await?);
+    assert!(samples > 50, "only {samples} samples of the committed offsets");
+    assert!(
+        backwards.is_empty(),
+        "committed offsets moved backwards {} times: {:?}",
+        backwards.len(),
+        &backwards[..backwards.len().min(6)]
+    );
+    assert_eq!(db.count("payment").await?, n as i64);
+    Ok(())
+}

@@ -230,3 +230,16 @@ async fn saga_steps_and_projection_versions() -> anyhow::Result<()> {
     assert_eq!((version, status.as_str()), (3, "cancelled"));
     Ok(())
 }
+
+/// Issue 10.6: a statement timeout says nothing about the event or request being processed: it maps to a
+/// transient store error (retried with backoff), never to a rejection that would dead-letter a valid event.
+#[tokio::test]
+async fn a_statement_timeout_is_a_transient_store_error() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let mut uow = db.store.begin_pg().await?;
+    sqlx::query("SET LOCAL statement_timeout = '10ms'").execute(uow.connection()).await?;
+    let err = sqlx::query("SELECT pg_sleep(1)").execute(uow.connection()).await.expect_err("must time out");
+    let mapped = idem_postgres::map_sqlx_error(err);
+    assert!(mapped.is_transient(), "statement timeout classed as {mapped:?}");
+    Ok(())
+}
