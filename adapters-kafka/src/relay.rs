@@ -14,6 +14,7 @@
 //! and by polling as the fallback (`idem_postgres::PgOutboxWakeup` explains why: a NOTIFY inside the
 //! transaction serializes every commit of the database behind one lock and defeats group commit).
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,6 +42,8 @@ pub struct RelaySettings {
     pub retention: Duration,
     /// Rounds in flight at once (each claims distinct keys).
     pub concurrency: usize,
+    /// After how many refusals for good (too large, not authorized, invalid) a row is quarantined.
+    pub quarantine_after: i32,
 }
 
 impl RelaySettings {
@@ -51,6 +54,7 @@ impl RelaySettings {
             poll_interval: Duration::from_secs(1),
             retention: Duration::from_secs(24 * 3600),
             concurrency: 4,
+            quarantine_after: 3,
         }
     }
 }
@@ -61,6 +65,8 @@ pub struct RelayStats {
     pub published: Counter,
     pub failed: Counter,
     pub rounds: Counter,
+    /// Rows quarantined because the broker refuses them for good.
+    pub quarantined: Counter,
     /// Seconds from a row's creation (its transaction) to the relay's mark after the broker's ack.
     pub publish_latency: Histogram,
 }
@@ -71,6 +77,7 @@ impl Default for RelayStats {
             published: Counter::default(),
             failed: Counter::default(),
             rounds: Counter::default(),
+            quarantined: Counter::default(),
             publish_latency: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
         }
     }
@@ -82,6 +89,11 @@ impl RelayStats {
         r.register("published", "Outbox messages published and marked", self.published.clone());
         r.register("publish_failures", "Outbox messages whose delivery failed (left unpublished)", self.failed.clone());
         r.register("rounds", "Claim-publish-mark rounds committed", self.rounds.clone());
+        r.register(
+            "quarantined",
+            "Outbox rows quarantined because the broker refuses them for good",
+            self.quarantined.clone(),
+        );
         r.register(
             "publish_latency_seconds",
             "From outbox row creation to publish acknowledged",
@@ -234,9 +246,16 @@ impl Relay {
         if rows.is_empty() {
             return Ok(Round { claimed: 0, failed: 0, session_broken: false });
         }
-        // Enqueue in claim order (per key: commit order), then collect every delivery report.
+        // Enqueue in claim order (per key: commit order), then collect every delivery report. Once a row of
+        // a key failed, the later rows of that key are not sent (or, if already sent, not marked): they
+        // wait behind it, so a key never publishes out of order.
+        let mut blocked: HashSet<&str> = HashSet::new();
         let mut pending = Vec::with_capacity(rows.len());
         for row in &rows {
+            if blocked.contains(row.aggregate_id.as_str()) {
+                pending.push(None);
+                continue;
+            }
             let payload = row.payload.as_str();
             let headers = record_headers(row);
             let delivery = loop {
@@ -250,30 +269,42 @@ impl Relay {
                     Err((e, _)) => break Err(e),
                 }
             };
-            pending.push(delivery);
+            if delivery.is_err() {
+                blocked.insert(&row.aggregate_id);
+            }
+            pending.push(Some(delivery));
         }
         let mut delivered = Vec::with_capacity(rows.len());
-        let mut failed = Vec::new();
-        let mut last_error = String::new();
+        let (mut failed, mut rejected) = (Vec::new(), Vec::new());
+        let (mut last_error, mut last_rejection) = (String::new(), String::new());
         let mut session_broken = false;
+        let mut failed_keys: HashSet<&str> = HashSet::new();
         for (row, delivery) in rows.iter().zip(pending) {
             let outcome = match delivery {
-                Ok(future) => match future.await {
+                None => continue, // behind a failed row of its key: left unpublished, not an attempt
+                Some(Ok(future)) => match future.await {
                     Ok(Ok(_)) => Ok(()),
                     Ok(Err((e, _))) => {
                         session_broken |= breaks_session(&e);
-                        Err(e.to_string())
+                        Err(e)
                     }
-                    Err(_) => Err("producer dropped the delivery report".to_owned()),
+                    Err(_) => Err(KafkaError::Canceled),
                 },
-                Err(e) => Err(e.to_string()),
+                Some(Err(e)) => Err(e),
             };
             match outcome {
-                Ok(()) => delivered.push(row),
+                Ok(()) if !failed_keys.contains(row.aggregate_id.as_str()) => delivered.push(row),
+                Ok(()) => {} // sent, but behind a failed row of its key: re-sent later, receivers dedup
                 Err(e) => {
-                    tracing::warn!(event_id = %row.id, topic = %row.topic, key = %row.aggregate_id, attempts = row.attempts + 1, error = %e, "outbox publish failed");
-                    last_error = e;
-                    failed.push(row.id);
+                    failed_keys.insert(&row.aggregate_id);
+                    tracing::warn!(event_id = %row.id, topic = %row.topic, attempts = row.attempts + 1, error = %e, "outbox publish failed");
+                    if is_permanent(&e) {
+                        last_rejection = e.to_string();
+                        rejected.push(row.id);
+                    } else {
+                        last_error = e.to_string();
+                        failed.push(row.id);
+                    }
                 }
             }
         }
@@ -286,16 +317,44 @@ impl Relay {
         if !failed.is_empty() {
             uow.outbox().record_failure(&failed, &last_error).await?;
         }
+        let mut quarantined = 0;
+        if !rejected.is_empty() {
+            quarantined =
+                uow.outbox().record_rejection(&rejected, &last_rejection, self.settings.quarantine_after).await?;
+        }
         uow.commit().await?;
         self.stats.rounds.inc_by(1);
         self.stats.published.inc_by(ids.len() as u64);
-        self.stats.failed.inc_by(failed.len() as u64);
+        self.stats.failed.inc_by((failed.len() + rejected.len()) as u64);
+        self.stats.quarantined.inc_by(quarantined);
+        if quarantined > 0 {
+            tracing::error!(rows = quarantined, error = %last_rejection, "outbox rows quarantined: the broker refuses them for good; see `idem outbox`");
+        }
         for r in &delivered {
             let secs = (now - r.created_at).num_microseconds().unwrap_or(0).max(0) as f64 / 1e6;
             self.stats.publish_latency.observe(secs);
         }
         Ok(Round { claimed: rows.len(), failed: failed.len(), session_broken })
     }
+}
+
+/// Errors after which the broker will refuse the same message again, whatever the retries: the row is a
+/// poison row. An unknown topic is not among them (topics may be created at start, after the broker
+/// returns); it is retried with backoff.
+fn is_permanent(e: &KafkaError) -> bool {
+    use RDKafkaErrorCode::*;
+    matches!(
+        e.rdkafka_error_code(),
+        Some(
+            MessageSizeTooLarge
+                | InvalidMessageSize
+                | InvalidMessage
+                | InvalidRecord
+                | MessageBatchTooLarge
+                | TopicAuthorizationFailed
+                | InvalidTopic
+        )
+    )
 }
 
 /// What one round did.

@@ -533,10 +533,14 @@ impl OutboxRepository for PgUnitOfWork {
         // together at most OUTBOX_KEY_SHARDS. A key belongs to one shard, so no two relays ever publish
         // one key at once, and a key's rows are claimed in `seq` order. `FOR UPDATE` (no SKIP LOCKED: a
         // skipped row would let a later row of its key overtake it) re-checks `published_at` against the
-        // latest committed version.
+        // latest committed version. Quarantined rows, and every row of a key that has one, are skipped.
         let rows = sqlx::query!(
             r#"WITH candidates AS MATERIALIZED (
-                   SELECT key_shard FROM outbox_message WHERE published_at IS NULL ORDER BY seq LIMIT $1
+                   SELECT key_shard FROM outbox_message o
+                   WHERE published_at IS NULL AND quarantined_at IS NULL
+                     AND NOT EXISTS (SELECT 1 FROM outbox_message q WHERE q.aggregateid = o.aggregateid
+                                     AND q.quarantined_at IS NOT NULL AND q.published_at IS NULL)
+                   ORDER BY seq LIMIT $1
                ), held AS MATERIALIZED (
                    SELECT s.key_shard
                    FROM (SELECT DISTINCT key_shard FROM candidates) AS s
@@ -545,8 +549,10 @@ impl OutboxRepository for PgUnitOfWork {
                )
                SELECT id, topic, aggregatetype, aggregateid, type AS "event_type", payload::text AS "payload!", headers, saga_id,
                       created_at, attempts
-               FROM outbox_message
-               WHERE published_at IS NULL AND key_shard IN (SELECT key_shard FROM held)
+               FROM outbox_message o
+               WHERE published_at IS NULL AND quarantined_at IS NULL AND key_shard IN (SELECT key_shard FROM held)
+                 AND NOT EXISTS (SELECT 1 FROM outbox_message q WHERE q.aggregateid = o.aggregateid
+                                 AND q.quarantined_at IS NOT NULL AND q.published_at IS NULL)
                ORDER BY seq
                LIMIT $1
                FOR UPDATE"#,
@@ -608,6 +614,26 @@ impl OutboxRepository for PgUnitOfWork {
         .await
         .map_err(map_sqlx_error)?;
         Ok(())
+    }
+
+    async fn record_rejection(&mut self, ids: &[Uuid], error: &str, quarantine_after: i32) -> Result<u64, StoreError> {
+        let quarantined = sqlx::query_scalar!(
+            r#"WITH updated AS (
+                   UPDATE outbox_message
+                   SET attempts = attempts + 1, last_error = left($2, 1000),
+                       quarantined_at = CASE WHEN attempts + 1 >= $3 THEN now() END
+                   WHERE id = ANY($1) AND published_at IS NULL
+                   RETURNING quarantined_at
+               )
+               SELECT count(*) FILTER (WHERE quarantined_at IS NOT NULL) AS "n!" FROM updated"#,
+            ids,
+            error,
+            quarantine_after,
+        )
+        .fetch_one(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(u64::try_from(quarantined).unwrap_or(0))
     }
 
     async fn backlog(&mut self) -> Result<i64, StoreError> {

@@ -158,6 +158,11 @@ pub trait OutboxRepository: Send {
     /// Records a failed publish attempt of rows that stay unpublished.
     async fn record_failure(&mut self, ids: &[Uuid], error: &str) -> Result<(), StoreError>;
 
+    /// Records that the broker refused rows for good (too large, not authorized, invalid); a row refused
+    /// `quarantine_after` times is quarantined: never claimed again until an operator retries it, and the
+    /// later rows of its key wait behind it. Returns how many rows this call quarantined.
+    async fn record_rejection(&mut self, ids: &[Uuid], error: &str, quarantine_after: i32) -> Result<u64, StoreError>;
+
     /// Number of unpublished rows (the relay's backlog).
     async fn backlog(&mut self) -> Result<i64, StoreError>;
 }

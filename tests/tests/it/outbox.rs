@@ -457,3 +457,52 @@ async fn a_large_backlog_drains_with_index_scans_off() -> anyhow::Result<()> {
     assert_eq!(stats.failed.get(), 0);
     Ok(())
 }
+
+/// Issue 10.7: a row the broker can never accept (here 2 MiB, above `message.max.bytes`) is quarantined
+/// after a bounded number of attempts, later rows of its key wait behind it, and every other key flows.
+#[tokio::test]
+async fn a_poison_row_is_quarantined_and_only_its_key_waits() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let topic = unique_topic("payments");
+    create_topic(&brokers, &topic, 3).await?;
+    let mut msgs = vec![message(&topic, "poison-key", json!({"type": "Big", "blob": "x".repeat(2 << 20)}))];
+    msgs.push(message(&topic, "poison-key", json!({"type": "After"})));
+    msgs.extend((0..200).map(|i| message(&topic, &format!("k-{i}"), json!({"type": "Normal", "n": i}))));
+    let ids = write(&db, msgs).await?;
+    let (poison, after) = (ids[0], ids[1]);
+    let relay = start_relay(Arc::new(db.store.clone()), &db.store, &brokers, 50).await?;
+    let others_done = eventually(Duration::from_secs(15), || async {
+        Ok(db.unpublished().await? == 2) // only the poison row and the row behind it
+    })
+    .await?;
+    let quarantined = eventually(Duration::from_secs(30), || async {
+        let q: Option<chrono::DateTime<Utc>> =
+            sqlx::query_scalar("SELECT quarantined_at FROM outbox_message WHERE id = $1")
+                .bind(poison)
+                .fetch_one(db.pool())
+                .await?;
+        Ok(q.is_some())
+    })
+    .await?;
+    let stats = relay.stats.clone();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    relay.stop().await;
+    assert!(others_done, "{} rows still unpublished: the poison row slowed other keys", db.unpublished().await?);
+    assert!(quarantined, "the poison row was never quarantined");
+    let (attempts, error): (i32, Option<String>) =
+        sqlx::query_as("SELECT attempts, last_error FROM outbox_message WHERE id = $1")
+            .bind(poison)
+            .fetch_one(db.pool())
+            .await?;
+    assert!((1..=5).contains(&attempts), "{attempts} attempts");
+    assert!(error.is_some_and(|e| !e.is_empty()));
+    let after_published: Option<chrono::DateTime<Utc>> =
+        sqlx::query_scalar("SELECT published_at FROM outbox_message WHERE id = $1")
+            .bind(after)
+            .fetch_one(db.pool())
+            .await?;
+    assert!(after_published.is_none(), "a later row of the poison key overtook it");
+    assert_eq!(stats.quarantined.get(), 1);
+    Ok(())
+}
