@@ -36,6 +36,19 @@ use crate::client::{ConsumerSettings, ProducerSettings, breaks_session};
 
 /// Header carrying the event id.
 pub const EVENT_ID_HEADER: &str = "event_id";
+/// Dead-letter reason of an event older than the dedup window (see `TtlPolicy::admission_floor`).
+pub const OLDER_THAN_DEDUP_WINDOW: &str = "older-than-dedup-window";
+
+/// The time a UUID v7 event id carries; `None` for ids without a time (v4), which are retained by
+/// processing time instead.
+fn event_time(id: Uuid) -> Option<chrono::DateTime<chrono::Utc>> {
+    if id.get_version_num() != 7 {
+        return None;
+    }
+    let (secs, nanos) = id.get_timestamp()?.to_unix();
+    chrono::DateTime::from_timestamp(i64::try_from(secs).ok()?, nanos)
+}
+
 /// Header carrying the saga id.
 pub const SAGA_ID_HEADER: &str = "saga_id";
 
@@ -446,9 +459,23 @@ impl Runner {
     ) -> bool {
         let mut dead = Vec::new();
         let mut events = Vec::with_capacity(batch.len());
+        let floor = self.settings.dedup_ttl.admission_floor(self.clock.now());
         for m in batch {
             match m.to_event() {
-                Ok(e) => events.push((m, e)),
+                Ok(e) => match event_time(e.event_id) {
+                    // Its dedup row may already be gone: applying it could apply it twice.
+                    Some(t) if self.settings.dedup && t < floor => dead.push(DeadLetter {
+                        message: m.clone(),
+                        reason: OLDER_THAN_DEDUP_WINDOW,
+                        error: format!(
+                            "event time {} is before the admission floor {} (DEDUP_TTL less {} s); re-drive it deliberately if it must be applied",
+                            t.to_rfc3339(),
+                            floor.to_rfc3339(),
+                            idem_domain::ADMISSION_MARGIN.as_secs()
+                        ),
+                    }),
+                    _ => events.push((m, e)),
+                },
                 Err(error) => dead.push(DeadLetter { message: m.clone(), reason: "invalid-headers", error }),
             }
         }

@@ -10,6 +10,12 @@ pub const MIN_TTL: Duration = Duration::from_secs(24 * 3600);
 /// Longest accepted retention: beyond it the tables grow and autovacuum works for nothing.
 pub const MAX_TTL: Duration = Duration::from_secs(72 * 3600);
 
+/// How far inside the retention the admission floor sits: covers clock skew between the machine that
+/// minted an id's time and the machines that check it or clean up by it (NTP keeps them within
+/// milliseconds; an hour is a wide margin), and a cleanup round that runs late or early. It costs only that
+/// an event between `ttl - 1h` and `ttl` old is dead-lettered instead of applied.
+pub const ADMISSION_MARGIN: Duration = Duration::from_secs(3600);
+
 /// A retention outside the accepted range.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error(
@@ -31,6 +37,17 @@ impl TtlPolicy {
 
     pub fn ttl(&self) -> Duration {
         self.0
+    }
+
+    /// The admission floor of a deduplicating receiver: a message whose id carries a time older than this
+    /// may have been processed more than a retention ago, its dedup row already gone, so it must not be
+    /// applied (it goes to the dead-letter topic as `older-than-dedup-window`). Every message admitted has
+    /// a time after `now - ttl + ADMISSION_MARGIN`, and a row written for it is kept at least `ttl` after that
+    /// time, so any later duplicate of it meets either its row or this floor.
+    pub fn admission_floor(&self, now: DateTime<Utc>) -> DateTime<Utc> {
+        let ttl = chrono::Duration::from_std(self.0).unwrap_or(chrono::Duration::hours(72));
+        let margin = chrono::Duration::from_std(ADMISSION_MARGIN).unwrap_or(chrono::Duration::hours(1));
+        now - ttl + margin
     }
 
     /// When something created at `now` expires.
@@ -66,6 +83,13 @@ mod tests {
         let now = DateTime::from_timestamp(1_700_000_000, 0).expect("valid");
         let policy = TtlPolicy::new(Duration::from_secs(48 * 3600)).expect("valid");
         assert_eq!(policy.expires_at(now) - now, chrono::Duration::hours(48));
+    }
+
+    #[test]
+    fn the_admission_floor_sits_a_margin_inside_the_retention() {
+        let now = DateTime::from_timestamp(1_700_000_000, 0).expect("valid");
+        let policy = TtlPolicy::new(Duration::from_secs(72 * 3600)).expect("valid");
+        assert_eq!(now - policy.admission_floor(now), chrono::Duration::hours(71));
     }
 
     proptest! {

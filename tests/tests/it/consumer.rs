@@ -511,3 +511,40 @@ async fn committed_offsets_never_move_backwards_across_rebalances() -> anyhow::R
     assert_eq!(db.count("payment").await?, n as i64);
     Ok(())
 }
+
+/// A UUID v7 whose time is `ago` before now.
+fn v7_ago(ago: Duration) -> Uuid {
+    let at = std::time::SystemTime::now() - ago;
+    let since = at.duration_since(std::time::UNIX_EPOCH).expect("after the epoch");
+    Uuid::new_v7(uuid::Timestamp::from_unix(uuid::NoContext, since.as_secs(), since.subsec_nanos()))
+}
+
+/// Issue 10.5: a consumer days behind must not apply an event whose dedup row may already be gone. An
+/// event whose v7 id is older than the dedup window (less the margin) is dead-lettered as
+/// `older-than-dedup-window`; younger events and ids without a time (v4) are applied.
+#[tokio::test]
+async fn events_older_than_the_dedup_window_are_dead_lettered_not_applied() -> anyhow::Result<()> {
+    let (db, brokers, topic) = setup(1).await?;
+    let p = producer(&brokers)?;
+    let (old, recent, untimed) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+    send(&p, &topic, old, v7_ago(Duration::from_secs(73 * 3600)), &placed(old, "pi_old", 1)).await?;
+    send(&p, &topic, recent, v7_ago(Duration::from_secs(3600)), &placed(recent, "pi_recent", 1)).await?;
+    send(&p, &topic, untimed, Uuid::new_v4(), &placed(untimed, "pi_v4", 1)).await?;
+    let running = start(Arc::new(db.store.clone()), settings(&brokers, &unique_topic("g"), &topic, 10));
+    let stats = running.stats.clone();
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            Ok(stats.dead_lettered.get() >= 1 && stats.processed.get() >= 2)
+        })
+        .await?
+    );
+    running.stop().await;
+    let externals: Vec<String> =
+        sqlx::query_scalar("SELECT external_payment_id FROM payment ORDER BY 1").fetch_all(db.pool()).await?;
+    assert_eq!(externals, ["pi_recent", "pi_v4"], "the event older than the dedup window was applied");
+    let dlq = read_topic(&brokers, &format!("{topic}.dlq"), 1, Duration::from_secs(30)).await?;
+    assert_eq!(dlq.len(), 1);
+    assert_eq!(dlq[0].header("dlq.reason").as_deref(), Some("older-than-dedup-window"));
+    assert!(dlq[0].header("dlq.error").is_some_and(|e| e.contains("admission floor")));
+    Ok(())
+}
