@@ -235,6 +235,21 @@ pub async fn charge(
         Err(ChargeError::DetailsDiffer { .. }) => Err(Problem::new(ProblemKind::PaymentConflict, StatusCode::CONFLICT)
             .detail("a payment with this provider and external_payment_id exists with different details")
             .into()),
+        Err(ChargeError::TakenByAnotherMerchant { other_merchant }) => {
+            // Policy: (provider, external_payment_id) is unique across merchants (the second protection of
+            // money), so a collision is refused; the answer is the same generic conflict whatever the other
+            // payment holds, and the event is logged for security review without keys or amounts.
+            tracing::warn!(
+                security_event = "provider_payment_id_collision",
+                merchant = %merchant.0,
+                other_merchant = %other_merchant,
+                provider = %cmd.provider(),
+                "a merchant used a provider payment id that belongs to another merchant"
+            );
+            Err(Problem::new(ProblemKind::PaymentConflict, StatusCode::CONFLICT)
+                .detail("this provider and external_payment_id cannot be used for a new payment")
+                .into())
+        }
         Err(ChargeError::Store(e)) => Err(e.into()),
     }
 }

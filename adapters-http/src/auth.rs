@@ -79,11 +79,7 @@ pub async fn authenticate(State(keys): State<Arc<ApiKeys>>, mut req: Request, ne
     let (Some(value), None) = (values.next(), values.next()) else {
         return unauthorized("send exactly one Authorization: Bearer <api key> header");
     };
-    let token = value
-        .to_str()
-        .ok()
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-        .map(str::trim);
+    let token = value.to_str().ok().and_then(bearer_token);
     let Some(merchant) = token.and_then(|t| keys.merchant(t)).cloned() else {
         return unauthorized("the API key is not valid");
     };
@@ -91,8 +87,23 @@ pub async fn authenticate(State(keys): State<Arc<ApiKeys>>, mut req: Request, ne
     next.run(req).await
 }
 
+/// The credentials of a `Bearer` authorization; the scheme name is case-insensitive (RFC 9110 §11.1).
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        for v in ["Bearer k_123", "bearer k_123", "BEARER k_123", "bEaReR   k_123 "] {
+            assert_eq!(super::bearer_token(v), Some("k_123"), "{v}");
+        }
+        assert_eq!(super::bearer_token("Basic k_123"), None);
+        assert_eq!(super::bearer_token("Bearerk_123"), None);
+    }
+
     use super::*;
 
     #[test]

@@ -349,11 +349,19 @@ where
     let route = parts.uri.path_and_query().map_or(parts.uri.path(), |pq| pq.as_str());
     let fingerprint = Fingerprint::of_request(parts.method.as_str(), route, &body);
 
+    let now = shared.clock.now();
+    if key.is_expired(&config.ttl, now) {
+        let problem = layer_problem(ProblemKind::IdempotencyKeyExpired, StatusCode::UNPROCESSABLE_ENTITY).detail(
+            "this UUID v7 Idempotency-Key was created longer ago than idempotency records are kept: its first \
+             request may have run and been forgotten, so it is not executed again; if the operation is still \
+             wanted, check its outcome first, then send it under a new key",
+        );
+        return tagged(problem.into_response(), "rejected_input");
+    }
     let mut uow = match shared.tm.begin().await {
         Ok(uow) => uow,
         Err(e) => return store_failure(&e),
     };
-    let now = shared.clock.now();
     let claim = IdempotencyClaim {
         scope,
         key: key.as_str().to_owned(),

@@ -61,6 +61,21 @@ impl IdempotencyKey {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// When the key was first sent, if the key tells: a UUID v7 key carries its creation time (the
+    /// `first_sent` of AEP-155 / Google AIP-155). Other keys do not.
+    pub fn first_sent(&self) -> Option<DateTime<Utc>> {
+        let id = uuid::Uuid::try_parse(&self.0).ok().filter(|u| u.get_version_num() == 7)?;
+        let (secs, nanos) = id.get_timestamp()?.to_unix();
+        DateTime::from_timestamp(i64::try_from(secs).ok()?, nanos)
+    }
+
+    /// Whether the key says it was created longer than `ttl` before `now`: its record, if any, may already
+    /// have been cleaned up, so executing it could execute an operation twice. Such a request is refused.
+    pub fn is_expired(&self, ttl: &crate::TtlPolicy, now: DateTime<Utc>) -> bool {
+        let ttl = chrono::Duration::from_std(ttl.ttl()).unwrap_or(chrono::Duration::hours(72));
+        self.first_sent().is_some_and(|t| t < now - ttl)
+    }
 }
 
 impl fmt::Display for IdempotencyKey {

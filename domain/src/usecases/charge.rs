@@ -73,6 +73,11 @@ impl ChargeCommand {
     }
 
     /// The W3C traceparent of the request, carried to the announced event.
+    /// The payment provider named by the request.
+    pub fn provider(&self) -> &str {
+        &self.provider
+    }
+
     pub fn with_traceparent(mut self, traceparent: Option<String>) -> Self {
         self.traceparent = traceparent;
         self
@@ -115,6 +120,11 @@ pub enum ChargeError {
     /// A payment with the same (provider, external_payment_id) exists with other details.
     #[error("a different payment {existing} already uses this provider and external payment id")]
     DetailsDiffer { existing: Uuid },
+    /// Another merchant's payment already uses this (provider, external_payment_id). Uniqueness is global
+    /// (the second protection of money), but nothing about the other payment may reach this merchant: the
+    /// caller answers a generic conflict and records a security event.
+    #[error("the provider and external payment id are taken by another merchant")]
+    TakenByAnotherMerchant { other_merchant: String },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -179,6 +189,9 @@ fn new_payment(env: Env<'_>, cmd: &ChargeCommand, now: chrono::DateTime<chrono::
 fn classify(cmd: &ChargeCommand, insert: PaymentInsert) -> Result<ChargeOutcome, ChargeError> {
     match insert {
         PaymentInsert::Existing(existing) if cmd.matches(&existing) => Ok(ChargeOutcome::AlreadyCharged(existing)),
+        PaymentInsert::Existing(existing) if existing.merchant_id != cmd.merchant_id => {
+            Err(ChargeError::TakenByAnotherMerchant { other_merchant: existing.merchant_id })
+        }
         PaymentInsert::Existing(existing) => Err(ChargeError::DetailsDiffer { existing: existing.id }),
         PaymentInsert::Inserted(payment) => Ok(ChargeOutcome::Created(payment)),
     }

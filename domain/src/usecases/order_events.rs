@@ -159,6 +159,9 @@ fn charge_failure(e: ChargeError) -> HandlerError {
         ChargeError::DetailsDiffer { existing } => HandlerError::Rejected(format!(
             "payment {existing} already uses this provider and external payment id with other details"
         )),
+        ChargeError::TakenByAnotherMerchant { .. } => {
+            HandlerError::Rejected("the provider and external payment id are taken by another merchant".into())
+        }
         ChargeError::Store(e) => e.into(),
     }
 }

@@ -733,3 +733,52 @@ async fn amounts_respect_their_currency_minor_units() -> anyhow::Result<()> {
     assert_eq!(refund.json()["field"], "amount");
     Ok(())
 }
+
+/// Issue 11.2: (provider, external_payment_id) stays unique across merchants, but merchant B learns nothing
+/// about merchant A's payment: the same generic conflict whether B's details match A's or not, nothing that
+/// says a payment exists, no id, no amount; A's payment is untouched.
+#[tokio::test]
+async fn another_merchants_provider_payment_id_gets_a_generic_conflict() -> anyhow::Result<()> {
+    let api = spawn().await?;
+    let body = charge_body("pi_secret", "20.00");
+    let a = api.charge(KEY_A, "x-a", &body).await?;
+    assert_eq!(a.status, 201);
+    let same = api.charge(KEY_B, "x-b1", &body).await?;
+    let mut other = body.clone();
+    other["amount"] = json!("99.00");
+    let differ = api.charge(KEY_B, "x-b2", &other).await?;
+    for r in [&same, &differ] {
+        assert_eq!(r.status, 409);
+        assert_eq!(r.problem_type(), "urn:idem:problem:payment-conflict");
+        let text = String::from_utf8_lossy(&r.body).to_lowercase();
+        let id = a.json()["id"].as_str().unwrap_or_default().to_owned();
+        for leak in ["exist", "details", "20.00", id.as_str()] {
+            assert!(!text.contains(leak), "the answer to merchant B reveals {leak:?}: {text}");
+        }
+    }
+    assert_eq!(same.json()["detail"], differ.json()["detail"], "B can tell whether its details match A's");
+    assert_eq!(api.db.count("payment").await?, 1);
+    Ok(())
+}
+
+/// Issue 11.7: a UUID v7 key tells when it was created; one older than IDEMPOTENCY_TTL is refused (its
+/// record may be gone, so executing could charge twice) and nothing runs. Younger v7 keys and keys without
+/// a time behave as always.
+#[tokio::test]
+async fn a_v7_key_older_than_the_retention_is_refused() -> anyhow::Result<()> {
+    let api = spawn().await?;
+    let v7_ago = |hours: u64| {
+        let at = std::time::SystemTime::now() - Duration::from_secs(hours * 3600);
+        let d = at.duration_since(std::time::UNIX_EPOCH).expect("after the epoch");
+        Uuid::new_v7(uuid::Timestamp::from_unix(uuid::NoContext, d.as_secs(), d.subsec_nanos())).to_string()
+    };
+    let old = api.charge(KEY_A, &v7_ago(49), &charge_body("pi_old_key", "5.00")).await?;
+    assert_eq!(old.status, 422, "{}", String::from_utf8_lossy(&old.body));
+    assert_eq!(old.problem_type(), "urn:idem:problem:idempotency-key-expired");
+    assert_eq!(api.db.count("payment").await?, 0);
+    let young = api.charge(KEY_A, &v7_ago(47), &charge_body("pi_young_key", "5.00")).await?;
+    assert_eq!(young.status, 201);
+    let plain = api.charge(KEY_A, "order-1234-attempt", &charge_body("pi_plain_key", "5.00")).await?;
+    assert_eq!(plain.status, 201);
+    Ok(())
+}
