@@ -18,9 +18,14 @@ pub struct Merchant(pub Arc<str>);
 
 /// API keys → merchants. Keys are kept only as SHA-256 digests, so neither `Debug` nor a heap dump shows
 /// them, and lookups do not compare secrets byte by byte.
+///
+/// Each merchant may also have a bound on its requests in progress ([`ApiKeys::with_concurrency_limit`]):
+/// beyond it a request is answered 429 with `Retry-After` at once, so one merchant's burst can never hold
+/// the connections and workers every other merchant needs.
 #[derive(Clone, Default)]
 pub struct ApiKeys {
     by_digest: HashMap<[u8; 32], Merchant>,
+    limits: HashMap<Arc<str>, Arc<tokio::sync::Semaphore>>,
 }
 
 impl fmt::Debug for ApiKeys {
@@ -56,7 +61,17 @@ impl ApiKeys {
                 return Err(format!("IDEM_API_KEYS gives the same key twice (merchant {merchant})"));
             }
         }
-        Ok(Self { by_digest })
+        Ok(Self { by_digest, limits: HashMap::new() })
+    }
+
+    /// Bounds each merchant's requests in progress to `limit` (0 is refused: at least 1).
+    pub fn with_concurrency_limit(mut self, limit: usize) -> Self {
+        self.limits = self
+            .by_digest
+            .values()
+            .map(|m| (m.0.clone(), Arc::new(tokio::sync::Semaphore::new(limit.max(1)))))
+            .collect();
+        self
     }
 
     pub fn is_empty(&self) -> bool {
@@ -82,6 +97,17 @@ pub async fn authenticate(State(keys): State<Arc<ApiKeys>>, mut req: Request, ne
     let token = value.to_str().ok().and_then(bearer_token);
     let Some(merchant) = token.and_then(|t| keys.merchant(t)).cloned() else {
         return unauthorized("the API key is not valid");
+    };
+    let _permit = match keys.limits.get(&merchant.0).map(|s| s.clone().try_acquire_owned()) {
+        Some(Err(_)) => {
+            return Problem::new(ProblemKind::TooManyRequests, StatusCode::TOO_MANY_REQUESTS)
+                .detail("too many requests of this merchant in progress; retry after the given delay")
+                .retry_after(1)
+                .no_store()
+                .into_response();
+        }
+        Some(Ok(permit)) => Some(permit),
+        None => None,
     };
     req.extensions_mut().insert(merchant);
     next.run(req).await

@@ -16,6 +16,7 @@
 //! With [`IdempotencyLayer::transaction_only`] the layer skips steps 1–3 (no key needed) and just runs the
 //! handler in a unit of work: the "layer off" baseline.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
@@ -30,7 +31,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header
 use axum::response::{IntoResponse, Response};
 use idem_domain::{Decision, Fingerprint, IdempotencyKey, TtlPolicy, decide};
 use idem_ports::{ClaimOutcome, Clock, IdempotencyClaim, StoreError, StoredResponse, TransactionManager, UnitOfWork};
-use tokio::sync::{Mutex, OwnedMutexGuard};
+use tokio::sync::{Mutex, OwnedMutexGuard, watch};
 use tower::{Layer, Service};
 
 use crate::metrics::HttpMetrics;
@@ -98,6 +99,60 @@ struct Shared {
     config: IdempotencyConfig,
     enforce_keys: bool,
     metrics: HttpMetrics,
+    in_flight: Arc<InFlight>,
+}
+
+/// The (scope, key) pairs this process is executing right now. A duplicate of one of them waits here,
+/// holding no database connection, until the first request ends; only then does it claim in the database
+/// (which stays the authority across instances) and replays. Without this, every waiting duplicate would
+/// hold a pooled connection blocked on the claim row for up to `wait`.
+#[derive(Default)]
+struct InFlight(std::sync::Mutex<HashMap<(String, String), DoneSignal>>);
+
+/// Flips to `true` when the leading request of a key ends.
+type DoneSignal = Arc<watch::Sender<bool>>;
+
+/// Held while this process executes a key; dropping it (the request ended, or was cancelled) lets the
+/// waiting duplicates go.
+struct Leader {
+    in_flight: Arc<InFlight>,
+    slot: (String, String),
+    done: DoneSignal,
+}
+
+impl Drop for Leader {
+    fn drop(&mut self) {
+        let mut map = self.in_flight.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if map.get(&self.slot).is_some_and(|s| Arc::ptr_eq(s, &self.done)) {
+            map.remove(&self.slot);
+        }
+        drop(map);
+        self.done.send_replace(true);
+    }
+}
+
+impl InFlight {
+    /// Becomes the leader of `slot`, waiting (up to `deadline`) while another request of this process
+    /// leads it. `None` when the deadline passed first.
+    async fn lead(self: &Arc<Self>, slot: (String, String), deadline: tokio::time::Instant) -> Option<Leader> {
+        loop {
+            let mut running = {
+                let mut map = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                match map.get(&slot) {
+                    Some(other) => other.subscribe(),
+                    None => {
+                        let done = Arc::new(watch::channel(false).0);
+                        map.insert(slot.clone(), done.clone());
+                        return Some(Leader { in_flight: self.clone(), slot, done });
+                    }
+                }
+            };
+            match tokio::time::timeout_at(deadline, running.wait_for(|done| *done)).await {
+                Ok(_) => continue,
+                Err(_) => return None,
+            }
+        }
+    }
 }
 
 /// The layer. Apply it with `Router::route_layer` to the routes that must be idempotent, inside the
@@ -118,13 +173,31 @@ impl fmt::Debug for IdempotencyLayer {
 
 impl IdempotencyLayer {
     pub fn new(tm: Arc<dyn TransactionManager>, clock: Arc<dyn Clock>, config: IdempotencyConfig) -> Self {
-        Self { shared: Arc::new(Shared { tm, clock, config, enforce_keys: true, metrics: HttpMetrics::default() }) }
+        Self {
+            shared: Arc::new(Shared {
+                tm,
+                clock,
+                config,
+                enforce_keys: true,
+                metrics: HttpMetrics::default(),
+                in_flight: Arc::default(),
+            }),
+        }
     }
 
     /// Runs each request in a unit of work without idempotency keys (the baseline to measure the layer
     /// against). Body limits still apply.
     pub fn transaction_only(tm: Arc<dyn TransactionManager>, clock: Arc<dyn Clock>, config: IdempotencyConfig) -> Self {
-        Self { shared: Arc::new(Shared { tm, clock, config, enforce_keys: false, metrics: HttpMetrics::default() }) }
+        Self {
+            shared: Arc::new(Shared {
+                tm,
+                clock,
+                config,
+                enforce_keys: false,
+                metrics: HttpMetrics::default(),
+                in_flight: Arc::default(),
+            }),
+        }
     }
 }
 
@@ -349,6 +422,12 @@ where
     let route = parts.uri.path_and_query().map_or(parts.uri.path(), |pq| pq.as_str());
     let fingerprint = Fingerprint::of_request(parts.method.as_str(), route, &body);
 
+    // One wait budget for both: the in-process wait for a leader of this key, then the database claim.
+    let deadline = tokio::time::Instant::now() + config.wait;
+    let Some(_leader) = shared.in_flight.lead((scope.clone(), key.as_str().to_owned()), deadline).await else {
+        return in_flight();
+    };
+    let claim_wait = deadline.saturating_duration_since(tokio::time::Instant::now()).max(Duration::from_millis(100));
     let now = shared.clock.now();
     if key.is_expired(&config.ttl, now) {
         let problem = layer_problem(ProblemKind::IdempotencyKeyExpired, StatusCode::UNPROCESSABLE_ENTITY).detail(
@@ -369,7 +448,7 @@ where
         created_at: now,
         expires_at: config.ttl.expires_at(now),
     };
-    match uow.idempotency().claim(&claim, now, config.wait).await {
+    match uow.idempotency().claim(&claim, now, claim_wait).await {
         Ok(ClaimOutcome::Claimed) => execute(&shared, inner, parts, body, uow, Some(claim)).await,
         Ok(ClaimOutcome::Existing(record)) => match decide(Some(&record), &fingerprint, now) {
             Decision::Replay(stored) => {

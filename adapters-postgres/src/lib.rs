@@ -32,11 +32,21 @@ pub struct PoolSettings {
     pub max_connections: u32,
     /// How long a caller waits for a free connection before getting [`StoreError::Unavailable`].
     pub acquire_timeout: Duration,
+    /// `statement_timeout` of every session: no statement holds a pooled connection longer.
+    pub statement_timeout: Duration,
+    /// `idle_in_transaction_session_timeout`: a transaction left open and idle (a stuck caller) is ended
+    /// by the server and its connection freed. Longer than the relay's wait for delivery reports.
+    pub idle_in_transaction_timeout: Duration,
 }
 
 impl Default for PoolSettings {
     fn default() -> Self {
-        Self { max_connections: 32, acquire_timeout: Duration::from_secs(5) }
+        Self {
+            max_connections: 32,
+            acquire_timeout: Duration::from_secs(5),
+            statement_timeout: Duration::from_secs(30),
+            idle_in_transaction_timeout: Duration::from_secs(60),
+        }
     }
 }
 
@@ -64,6 +74,10 @@ impl PgStore {
     pub async fn connect(url: &str, settings: &PoolSettings) -> Result<Self, StoreError> {
         let options: PgConnectOptions =
             url.parse().map_err(|e: sqlx::Error| StoreError::Other(format!("invalid database url: {e}")))?;
+        let options = options.options([
+            ("statement_timeout", format!("{}ms", settings.statement_timeout.as_millis())),
+            ("idle_in_transaction_session_timeout", format!("{}ms", settings.idle_in_transaction_timeout.as_millis())),
+        ]);
         let pool = PgPoolOptions::new()
             .max_connections(settings.max_connections)
             .acquire_timeout(settings.acquire_timeout)
@@ -96,9 +110,21 @@ impl PgStore {
         &self.pool
     }
 
-    /// Applies pending migrations.
+    /// Applies pending migrations, on a connection of their own without the sessions' statement timeout
+    /// (an index build may take longer); the connection is closed afterwards, never returned to the pool.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        MIGRATOR.run(&self.pool).await.map_err(|e| StoreError::Other(format!("migration failed: {e}")))
+        let mut conn = self.pool.acquire().await.map_err(map_sqlx_error)?;
+        sqlx::query("SET statement_timeout = 0").execute(&mut *conn).await.map_err(map_sqlx_error)?;
+        let result = MIGRATOR.run(&mut *conn).await.map_err(|e| StoreError::Other(format!("migration failed: {e}")));
+        drop(conn.detach());
+        result
+    }
+
+    /// Shares `other`'s outbox signal: commits through this store wake relays subscribed to `other` (a
+    /// second pool for the same database, for example one reserved for background work).
+    pub fn sharing_outbox_signal(mut self, other: &PgStore) -> Self {
+        self.outbox_signal = other.outbox_signal.clone();
+        self
     }
 
     /// Whether the database answers.

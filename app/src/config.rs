@@ -189,6 +189,13 @@ pub struct ServeArgs {
     /// Log as JSON lines instead of text.
     #[arg(long, env = "LOG_JSON", default_value_t = false)]
     pub log_json: bool,
+    /// Most requests of one merchant in progress at once; beyond it, 429 with Retry-After.
+    #[arg(long, env = "MERCHANT_CONCURRENCY", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub merchant_concurrency: u32,
+    /// Connections of a second pool reserved for the consumer, the relay, the cleaner and readiness, so
+    /// HTTP load can never starve them (nor they HTTP, which keeps DATABASE_MAX_CONNECTIONS).
+    #[arg(long, env = "DATABASE_BACKGROUND_CONNECTIONS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(2..=1000))]
+    pub background_connections: u32,
 }
 
 impl ServeArgs {

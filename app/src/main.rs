@@ -146,6 +146,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     });
     store.migrate().await.context("applying migrations")?;
     tracing::info!("migrations applied");
+    // A second pool for background work (consumer, relay, cleaner, readiness): neither side can take the
+    // other's connections. It shares the outbox signal, so HTTP commits wake the relay at once.
+    let background = DbArgs { database_max_connections: args.background_connections, ..args.db.clone() };
+    let bg_store = connect(&background).await?.with_dedup_storage(store.dedup_storage()).sharing_outbox_signal(&store);
     // Bind before anything consumes: a taken port fails the start before a single message is touched.
     let listener =
         tokio::net::TcpListener::bind(args.http_addr).await.with_context(|| format!("binding {}", args.http_addr))?;
@@ -181,7 +185,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             IdempotencyLayer::transaction_only(tm.clone(), clock.clone(), idem_config)
         }
     };
-    let api = idem_http::router_with_metrics(state, Arc::new(args.api_keys.clone()), layer, http_metrics);
+    let api_keys = args.api_keys.clone().with_concurrency_limit(args.merchant_concurrency as usize);
+    let api = idem_http::router_with_metrics(state, Arc::new(api_keys), layer, http_metrics);
     // Order-event consumer
     let mut settings =
         RunnerSettings::new(&args.kafka.kafka_brokers, &args.group_id, &args.orders_topic, args.dedup_ttl);
@@ -197,7 +202,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         payments_topic: args.kafka.payments_topic.clone(),
         merchant_id: args.orders_merchant_id.clone(),
     });
-    let runner = Runner::new(settings, tm.clone(), clock.clone(), handler);
+    let bg_tm: Arc<dyn TransactionManager> = Arc::new(bg_store.clone());
+    let runner = Runner::new(settings, bg_tm, clock.clone(), handler);
     runner.stats().register(&mut registry);
     let token = shutdown.clone();
     let (brokers, partitions) = (args.kafka.kafka_brokers.clone(), args.kafka.topic_partitions);
@@ -213,12 +219,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     });
 
     // Outbox relay
-    spawn_relay(&mut group, &store, &args.kafka, &args.relay, &mut registry).await?;
+    spawn_relay(&mut group, &bg_store, &args.kafka, &args.relay, &mut registry).await?;
 
     // TTL cleanup
     let partitions = (args.dedup_storage == DedupStorageArg::Partitioned)
         .then(|| PartitionPolicy { ttl: args.dedup_ttl.ttl(), days_ahead: 3 });
-    let cleaner = Cleaner::new(store.clone(), CleanupSettings { partitions, ..CleanupSettings::default() });
+    let cleaner = Cleaner::new(bg_store.clone(), CleanupSettings { partitions, ..CleanupSettings::default() });
     let cleanup_stats = cleaner.stats();
     cleanup_stats.register(&mut registry);
     let (token, interval) = (shutdown.clone(), args.cleanup_interval);
@@ -231,7 +237,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let outbox_backlog = Gauge::default();
     registry.register("idem_outbox_backlog", "Unpublished outbox rows", outbox_backlog.clone());
     let ops = ops::Ops {
-        store: store.clone(),
+        store: bg_store.clone(),
         broker: BrokerProbe::new(&args.kafka.kafka_brokers)?,
         registry: Arc::new(registry),
         outbox_backlog,
@@ -254,6 +260,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
     let result = group.wait(args.shutdown_timeout).await;
     store.pool().close().await;
+    bg_store.pool().close().await;
     tracing::info!("stopped");
     result
 }

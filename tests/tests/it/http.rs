@@ -600,25 +600,31 @@ async fn every_documented_api_operation_is_routed() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A transaction manager whose units commit for real and then report a lost connection: what a client
-/// sees when the connection drops during COMMIT after the server applied it.
-struct LostAfterCommit {
+/// A transaction manager whose commits take `delay` more (a slow disk: the connection is held that long)
+/// and, with `lose_outcome`, commit for real and then report a lost connection: what a client sees when the
+/// connection drops during COMMIT after the server applied it.
+struct FaultyCommit {
     inner: PgStore,
+    delay: Duration,
+    lose_outcome: bool,
 }
 
-struct LostAfterCommitUow {
+struct FaultyCommitUow {
     inner: Box<dyn idem_ports::UnitOfWork>,
+    delay: Duration,
+    lose_outcome: bool,
 }
 
 #[async_trait::async_trait]
-impl TransactionManager for LostAfterCommit {
+impl TransactionManager for FaultyCommit {
     async fn begin(&self) -> Result<Box<dyn idem_ports::UnitOfWork>, idem_ports::StoreError> {
-        Ok(Box::new(LostAfterCommitUow { inner: self.inner.begin().await? }))
+        let inner = self.inner.begin().await?;
+        Ok(Box::new(FaultyCommitUow { inner, delay: self.delay, lose_outcome: self.lose_outcome }))
     }
 }
 
 #[async_trait::async_trait]
-impl idem_ports::UnitOfWork for LostAfterCommitUow {
+impl idem_ports::UnitOfWork for FaultyCommitUow {
     fn payments(&mut self) -> &mut dyn idem_ports::PaymentRepository {
         self.inner.payments()
     }
@@ -638,8 +644,12 @@ impl idem_ports::UnitOfWork for LostAfterCommitUow {
         self.inner.projections()
     }
     async fn commit(self: Box<Self>) -> Result<(), idem_ports::StoreError> {
+        tokio::time::sleep(self.delay).await;
         self.inner.commit().await?;
-        Err(idem_ports::StoreError::Unavailable("connection reset during COMMIT".into()))
+        if self.lose_outcome {
+            return Err(idem_ports::StoreError::Unavailable("connection reset during COMMIT".into()));
+        }
+        Ok(())
     }
     async fn rollback(self: Box<Self>) -> Result<(), idem_ports::StoreError> {
         self.inner.rollback().await
@@ -651,7 +661,8 @@ impl idem_ports::UnitOfWork for LostAfterCommitUow {
 #[tokio::test]
 async fn a_commit_with_an_unknown_outcome_says_so_and_the_retry_replays() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
-    let tm: Arc<dyn TransactionManager> = Arc::new(LostAfterCommit { inner: db.store.clone() });
+    let tm: Arc<dyn TransactionManager> =
+        Arc::new(FaultyCommit { inner: db.store.clone(), delay: Duration::ZERO, lose_outcome: true });
     let layer = IdempotencyLayer::new(tm.clone(), Arc::new(SystemClock), layer_config(StatusCode::CONFLICT));
     let state = ApiState { tm, ..api_state(&db.store) };
     let lossy = idem_tests::serve(idem_http::router(state, keys(), layer)).await?;
@@ -780,5 +791,144 @@ async fn a_v7_key_older_than_the_retention_is_refused() -> anyhow::Result<()> {
     assert_eq!(young.status, 201);
     let plain = api.charge(KEY_A, "order-1234-attempt", &charge_body("pi_plain_key", "5.00")).await?;
     assert_eq!(plain.status, 201);
+    Ok(())
+}
+
+/// Issue 11.6: one merchant's storm cannot starve another. Merchant A sends 200 concurrent duplicates of
+/// one charge and 50 concurrent refunds of one payment while commits are slow (100 ms, a commit-bound
+/// disk) and the pool is small; merchant B charges steadily meanwhile. B sees no 503 and its p99 stays
+/// under a second; everything A sent has at most one effect per key.
+#[tokio::test]
+async fn one_merchant_cannot_starve_another() -> anyhow::Result<()> {
+    let settings = idem_postgres::PoolSettings {
+        max_connections: 10,
+        acquire_timeout: Duration::from_secs(3),
+        ..idem_postgres::PoolSettings::default()
+    };
+    let db = TestDb::with_pool(settings).await?;
+    let tm: Arc<dyn TransactionManager> =
+        Arc::new(FaultyCommit { inner: db.store.clone(), delay: Duration::from_millis(100), lose_outcome: false });
+    let layer = IdempotencyLayer::new(tm.clone(), Arc::new(SystemClock), layer_config(StatusCode::CONFLICT));
+    let limited = Arc::new(
+        ApiKeys::parse(&format!("merchant_a:{KEY_A},merchant_b:{KEY_B}"))
+            .expect("valid keys")
+            .with_concurrency_limit(4),
+    );
+    let state = ApiState { tm, ..api_state(&db.store) };
+    let base = idem_tests::serve(idem_http::router(state, limited, layer)).await?;
+    let api = Api { db, base, http: reqwest::Client::new() };
+    let target = api.charge(KEY_A, "storm-target", &charge_body("pi_storm_target", "100.00")).await?;
+    let target = target.json()["id"].as_str().unwrap_or_default().to_owned();
+    let api = Arc::new(api);
+
+    // B: four workers charging one after the other for the whole storm.
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut b_workers = Vec::new();
+    for w in 0..4 {
+        let (api, stop) = (api.clone(), stop.clone());
+        b_workers.push(tokio::spawn(async move {
+            let (mut latencies, mut statuses) = (Vec::new(), Vec::new());
+            let mut i = 0;
+            while !stop.load(Ordering::SeqCst) {
+                let started = std::time::Instant::now();
+                let r =
+                    api.charge(KEY_B, &format!("b-{w}-{i}"), &charge_body(&format!("pi_b_{w}_{i}"), "1.00")).await?;
+                latencies.push(started.elapsed());
+                statuses.push(r.status);
+                i += 1;
+            }
+            anyhow::Ok((latencies, statuses))
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A's storm, all at once.
+    let storm_body = charge_body("pi_storm", "5.00");
+    let mut storm = Vec::new();
+    for _ in 0..200 {
+        let (api, body) = (api.clone(), storm_body.clone());
+        storm.push(tokio::spawn(async move { api.charge(KEY_A, "storm-key", &body).await }));
+    }
+    for i in 0..50 {
+        let (api, path) = (api.clone(), format!("/payments/{target}/refund"));
+        storm.push(tokio::spawn(async move {
+            api.post(&path, KEY_A, Some(&format!("storm-refund-{i}")), r#"{"amount":"1.00"}"#).await
+        }));
+    }
+    let mut a_replies = Vec::new();
+    for t in storm {
+        a_replies.push(t.await??);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::SeqCst);
+    let (mut latencies, mut statuses) = (Vec::new(), Vec::new());
+    for w in b_workers {
+        let (l, s) = w.await??;
+        latencies.extend(l);
+        statuses.extend(s);
+    }
+    latencies.sort();
+    let p99 = latencies[(latencies.len() * 99 / 100).min(latencies.len() - 1)];
+    assert!(latencies.len() >= 10, "B completed only {} charges", latencies.len());
+    assert!(
+        statuses.iter().all(|s| *s == 201),
+        "B got {:?}",
+        statuses.iter().filter(|s| **s != 201).collect::<Vec<_>>()
+    );
+    assert!(p99 < Duration::from_secs(1), "B's p99 was {p99:?}");
+
+    // A: one payment for the storm key, every success the same payment; refunds equal their 201s.
+    let storm_ids: std::collections::BTreeSet<String> = a_replies[..200]
+        .iter()
+        .filter(|r| matches!(r.status, 200 | 201))
+        .map(|r| r.json()["id"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    assert!(storm_ids.len() <= 1, "the storm key answered with {} payments", storm_ids.len());
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM payment WHERE external_payment_id = 'pi_storm'")
+        .fetch_one(api.db.pool())
+        .await?;
+    assert!(stored <= 1);
+    for r in &a_replies {
+        assert!(matches!(r.status, 200 | 201 | 409 | 429), "A got {}", r.status);
+        if r.status == 429 {
+            assert!(r.header("retry-after").is_some());
+            assert_eq!(r.problem_type(), "urn:idem:problem:too-many-requests");
+        }
+    }
+    let refunded = a_replies[200..].iter().filter(|r| r.status == 201).count() as i64;
+    assert_eq!(api.db.count("refund").await?, refunded, "a refund key had more or fewer effects than answers");
+    Ok(())
+}
+
+/// Issue 11.6: a duplicate waiting for an in-flight key of this process holds no database connection:
+/// 100 duplicates wait on one request slower than the pool's acquire timeout, with a pool of 4, and all end
+/// with the same payment (before, 96 of them waited for a connection and got 503).
+#[tokio::test]
+async fn waiting_duplicates_hold_no_connection() -> anyhow::Result<()> {
+    let settings = idem_postgres::PoolSettings {
+        max_connections: 4,
+        acquire_timeout: Duration::from_secs(2),
+        ..idem_postgres::PoolSettings::default()
+    };
+    let db = TestDb::with_pool(settings).await?;
+    let tm: Arc<dyn TransactionManager> =
+        Arc::new(FaultyCommit { inner: db.store.clone(), delay: Duration::from_millis(2500), lose_outcome: false });
+    let layer = IdempotencyLayer::new(tm.clone(), Arc::new(SystemClock), layer_config(StatusCode::CONFLICT));
+    let state = ApiState { tm, ..api_state(&db.store) };
+    let base = idem_tests::serve(idem_http::router(state, keys(), layer)).await?;
+    let api = Arc::new(Api { db, base, http: reqwest::Client::new() });
+    let body = charge_body("pi_single_flight", "3.00");
+    let mut tasks = Vec::new();
+    for _ in 0..100 {
+        let (api, body) = (api.clone(), body.clone());
+        tasks.push(tokio::spawn(async move { api.charge(KEY_A, "single-flight", &body).await }));
+    }
+    let mut ids = std::collections::BTreeSet::new();
+    for t in tasks {
+        let r = t.await??;
+        assert!(matches!(r.status, 200 | 201), "{} {}", r.status, String::from_utf8_lossy(&r.body));
+        ids.insert(r.json()["id"].as_str().unwrap_or_default().to_owned());
+    }
+    assert_eq!(ids.len(), 1);
+    assert_eq!(api.db.count("payment").await?, 1);
     Ok(())
 }
