@@ -133,6 +133,9 @@ pub struct ServeArgs {
     /// Address the HTTP API listens on.
     #[arg(long, env = "HTTP_ADDR", default_value = "127.0.0.1:8080")]
     pub http_addr: SocketAddr,
+    /// Address of the admin listener: `/readyz`, `/metrics` and `/healthz`. Keep it off the public network.
+    #[arg(long, env = "ADMIN_ADDR", default_value = "127.0.0.1:9090")]
+    pub admin_addr: SocketAddr,
     /// API keys: `merchant_a:key_a,merchant_b:key_b`.
     #[arg(long, env = "IDEM_API_KEYS", default_value = "", value_parser = ApiKeys::parse, hide_default_value = true, hide_env_values = true)]
     pub api_keys: ApiKeys,

@@ -153,6 +153,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Bind before anything consumes: a taken port fails the start before a single message is touched.
     let listener =
         tokio::net::TcpListener::bind(args.http_addr).await.with_context(|| format!("binding {}", args.http_addr))?;
+    let admin_listener = tokio::net::TcpListener::bind(args.admin_addr)
+        .await
+        .with_context(|| format!("binding the admin listener {}", args.admin_addr))?;
     let dlq_topic = args.dlq_topic();
 
     let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
@@ -243,11 +246,27 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         outbox_backlog,
         cleanup: cleanup_stats,
     };
-    let app = api.merge(ops::router(ops)).layer(
+    // Gauges that need the database are refreshed in the background, never by a scrape.
+    let (gauges, token) = (ops.clone(), shutdown.clone());
+    group.spawn("gauges", async move {
+        gauges.refresh_until(token, std::time::Duration::from_secs(10)).await;
+        Ok(())
+    });
+    // The public listener serves the API and a liveness probe; readiness and metrics live on the admin
+    // listener only (loopback by default), so no unauthenticated public request causes database work.
+    let app = api.merge(ops::public_router()).layer(
         TraceLayer::new_for_http().make_span_with(|req: &axum::http::Request<axum::body::Body>| {
             tracing::info_span!("request", method = %req.method(), path = %req.uri().path())
         }),
     );
+    {
+        tracing::info!(addr = %admin_listener.local_addr()?, "admin listener (readyz, metrics)");
+        let (token, admin) = (shutdown.clone(), ops::router(ops));
+        group.spawn("admin http", async move {
+            axum::serve(admin_listener, admin).with_graceful_shutdown(async move { token.cancelled().await }).await?;
+            Ok(())
+        });
+    }
 
     {
         tracing::info!(addr = %listener.local_addr()?, "HTTP API listening");

@@ -25,6 +25,33 @@ pub struct Ops {
     pub cleanup: Arc<CleanupStats>,
 }
 
+/// What the public listener serves besides the API: liveness only.
+pub fn public_router() -> Router {
+    Router::new().route("/healthz", get(|| async { "ok" }))
+}
+
+impl Ops {
+    /// Refreshes the database-backed gauges every `every` until `shutdown`: a scrape only encodes.
+    pub async fn refresh_until(&self, shutdown: tokio_util::sync::CancellationToken, every: Duration) {
+        loop {
+            let refresh = async {
+                if let Ok(mut uow) = self.store.begin().await
+                    && let Ok(n) = uow.outbox().backlog().await
+                {
+                    self.outbox_backlog.set(n);
+                }
+                let _ = refresh_dead_tuples(&self.store, &self.cleanup).await;
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(5), refresh).await;
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+        }
+    }
+}
+
+/// The admin listener's routes.
 pub fn router(ops: Ops) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
@@ -56,16 +83,6 @@ async fn ready(State(ops): State<Ops>) -> impl IntoResponse {
 }
 
 async fn metrics(State(ops): State<Ops>) -> impl IntoResponse {
-    // Gauges read from the database at scrape time; a slow or failed read leaves the last value.
-    let refresh = async {
-        if let Ok(mut uow) = ops.store.begin().await
-            && let Ok(n) = uow.outbox().backlog().await
-        {
-            ops.outbox_backlog.set(n);
-        }
-        let _ = refresh_dead_tuples(&ops.store, &ops.cleanup).await;
-    };
-    let _ = tokio::time::timeout(Duration::from_secs(2), refresh).await;
     let mut text = String::new();
     match prometheus_client::encoding::text::encode(&mut text, &ops.registry) {
         Ok(()) => (

@@ -99,11 +99,14 @@ pub async fn start_service(bin: &str, db_url: &str, port: u16, layer: &str) -> a
         .arg("serve")
         .env("DATABASE_URL", db_url)
         .env("HTTP_ADDR", format!("127.0.0.1:{port}"))
+        .env("ADMIN_ADDR", "127.0.0.1:0")
         .env("IDEM_API_KEYS", format!("bench:{API_KEY}"))
         .env("IDEMPOTENCY_LAYER", layer)
         // Group commit needs as many concurrent committers as clients: one connection per client, plus the
         // consumer's and the relay's.
         .env("DATABASE_MAX_CONNECTIONS", (env_or("BENCH_CONCURRENCY", 8usize) + 8).max(32).to_string())
+        // One merchant drives all the load: its concurrency limit must not be what is measured.
+        .env("MERCHANT_CONCURRENCY", env_or("BENCH_CONCURRENCY", 8usize).max(16).to_string())
         .env("RUST_LOG", "warn")
         .spawn()?;
     let base = format!("http://127.0.0.1:{port}");

@@ -35,6 +35,8 @@ pub struct Service {
     child: Option<Child>,
     env: Vec<(String, String)>,
     pub base: String,
+    /// The admin listener (`/readyz`, `/metrics`).
+    pub admin: String,
     pub orders_topic: String,
     pub payments_topic: String,
     pub group: String,
@@ -44,6 +46,7 @@ impl Service {
     /// Environment for a service on `db` and `brokers` with fresh topics and group.
     pub fn new(database_url: &str, brokers: &str) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let admin_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let orders_topic = unique_topic("f-orders");
         let payments_topic = unique_topic("f-payments");
         let group = unique_topic("f-group");
@@ -51,6 +54,7 @@ impl Service {
             ("DATABASE_URL".into(), database_url.to_owned()),
             ("KAFKA_BROKERS".into(), brokers.to_owned()),
             ("HTTP_ADDR".into(), format!("127.0.0.1:{port}")),
+            ("ADMIN_ADDR".into(), format!("127.0.0.1:{admin_port}")),
             ("IDEM_API_KEYS".into(), format!("faults:{API_KEY}")),
             ("KAFKA_ORDERS_TOPIC".into(), orders_topic.clone()),
             ("KAFKA_PAYMENTS_TOPIC".into(), payments_topic.clone()),
@@ -62,7 +66,15 @@ impl Service {
             ("DATABASE_MAX_CONNECTIONS".into(), "20".into()),
             ("RUST_LOG".into(), "warn".into()),
         ];
-        Self { child: None, env, base: format!("http://127.0.0.1:{port}"), orders_topic, payments_topic, group }
+        Self {
+            child: None,
+            env,
+            base: format!("http://127.0.0.1:{port}"),
+            admin: format!("http://127.0.0.1:{admin_port}"),
+            orders_topic,
+            payments_topic,
+            group,
+        }
     }
 
     pub fn with_env(mut self, key: &str, value: &str) -> Self {

@@ -218,17 +218,25 @@ async fn s4_duplicate_storm() -> anyhow::Result<()> {
     for r in 0..requests {
         let (http, url, (key, body)) = (http.clone(), format!("{}/payments", service.base), bodies[r % keys].clone());
         tasks.push(tokio::spawn(async move {
-            let resp = http
-                .post(url)
-                .bearer_auth(API_KEY)
-                .header("idempotency-key", &key)
-                .header("content-type", "application/json")
-                .body(body)
-                .send()
-                .await?;
-            let status = resp.status().as_u16();
-            let body = resp.bytes().await?.to_vec();
-            anyhow::Ok((key, status, body))
+            // A client retries "come back later" answers — 429 (this merchant has too many requests in
+            // progress) — after a pause, with the same key; everything else is its answer.
+            for _ in 0..200 {
+                let resp = http
+                    .post(&url)
+                    .bearer_auth(API_KEY)
+                    .header("idempotency-key", &key)
+                    .header("content-type", "application/json")
+                    .body(body.clone())
+                    .send()
+                    .await?;
+                let status = resp.status().as_u16();
+                let answer = resp.bytes().await?.to_vec();
+                if status != 429 {
+                    return anyhow::Ok((key, status, answer));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            anyhow::bail!("{key}: still 429 after 200 attempts")
         }));
     }
     let mut by_key: BTreeMap<String, BTreeSet<Vec<u8>>> = BTreeMap::new();
@@ -462,7 +470,14 @@ async fn s8_start_and_restart_during_a_broker_outage() -> anyhow::Result<()> {
     let charges = scale(20, 500);
     let ledger = Arc::new(Ledger::default());
     ServiceRef::of(&service).load(ledger.clone(), charges / 2, 4, "out1").await?;
-    let ready = reqwest::get(format!("{}/readyz", service.base)).await?;
+    // Issue 11.8: readiness and metrics are on the admin listener only, never on the public one.
+    for path in ["/readyz", "/metrics"] {
+        let public = reqwest::get(format!("{}{path}", service.base)).await?;
+        assert_eq!(public.status(), 404, "{path} is served on the public listener");
+    }
+    let metrics = reqwest::get(format!("{}/metrics", service.admin)).await?.text().await?;
+    assert!(metrics.contains("idem_outbox_backlog") && metrics.contains("idem_consumer_kafka_errors"), "{metrics}");
+    let ready = reqwest::get(format!("{}/readyz", service.admin)).await?;
     assert_eq!(ready.status(), 503, "readiness must report the broker");
     let body: serde_json::Value = ready.json().await?;
     assert_eq!(body["broker"], "unreachable", "{body}");
