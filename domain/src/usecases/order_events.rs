@@ -58,6 +58,33 @@ fn malformed(e: impl std::fmt::Display) -> HandlerError {
     HandlerError::Malformed(e.to_string())
 }
 
+/// Describes a JSON error without the values it quotes: the text goes to logs and to the dead-letter
+/// `dlq.error` header, where payload values (amounts, ids, names) must not appear. Field names are schema,
+/// not data, and stay.
+fn malformed_json(e: &serde_json::Error) -> HandlerError {
+    use serde_json::error::Category;
+    let what = match e.classify() {
+        Category::Syntax => "the body is not valid JSON".to_owned(),
+        Category::Eof => "the body ends early".to_owned(),
+        Category::Io => "the body could not be read".to_owned(),
+        Category::Data => {
+            let text = e.to_string();
+            let named =
+                |prefix: &str| text.strip_prefix(prefix).and_then(|rest| rest.split('`').next()).map(str::to_owned);
+            if let Some(field) = named("missing field `") {
+                format!("missing field {field}")
+            } else if let Some(field) = named("unknown field `") {
+                format!("unknown field {field}")
+            } else if text.starts_with("unknown variant") {
+                "unknown event type".to_owned()
+            } else {
+                "a field has the wrong type or an invalid value".to_owned()
+            }
+        }
+    };
+    HandlerError::Malformed(format!("{what} (line {}, column {})", e.line(), e.column()))
+}
+
 impl OrderEventHandler {
     fn env(&self) -> Env<'_> {
         Env { clock: &*self.clock, ids: &*self.ids, payments_topic: &self.payments_topic }
@@ -88,7 +115,7 @@ impl Parsed {
 impl OrderEventHandler {
     /// Validates an event completely before anything is written.
     fn parse(&self, event: &InboundEvent) -> Result<Parsed, HandlerError> {
-        let body: OrderEvent = serde_json::from_slice(&event.payload).map_err(malformed)?;
+        let body: OrderEvent = serde_json::from_slice(&event.payload).map_err(|e| malformed_json(&e))?;
         let (order_id, version) = match &body {
             OrderEvent::OrderPlaced { order_id, version, .. } | OrderEvent::OrderCancelled { order_id, version } => {
                 (*order_id, *version)
@@ -244,6 +271,64 @@ impl OrderEventHandler {
             ),
             Err(RefundError::Store(e)) => Err(e.into()),
             Err(e) => Err(HandlerError::Rejected(e.to_string())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use idem_ports::{InboundEvent, MockUnitOfWork, SystemClock, UuidV7Generator};
+
+    use super::*;
+
+    fn handler() -> OrderEventHandler {
+        OrderEventHandler {
+            clock: Arc::new(SystemClock),
+            ids: Arc::new(UuidV7Generator),
+            payments_topic: "payments".into(),
+            merchant_id: "orders".into(),
+        }
+    }
+
+    fn event(payload: &str) -> InboundEvent {
+        InboundEvent {
+            event_id: Uuid::from_u128(1),
+            saga_id: None,
+            topic: "orders".into(),
+            partition: 0,
+            offset: 0,
+            key: None,
+            payload: payload.as_bytes().to_vec(),
+        }
+    }
+
+    /// Issue 11.8: the reason of a malformed event reaches logs and the dead-letter header; it names the
+    /// field and the position, never a payload value.
+    #[test]
+    fn malformed_reasons_never_echo_payload_values() {
+        let order = "01930000-0000-7000-8000-000000000001";
+        for (payload, secret, expected) in [
+            (
+                format!(r#"{{"type":"OrderPlaced","order_id":"{order}","amount":98765.43,"version":1}}"#),
+                "98765.43",
+                "wrong type",
+            ),
+            (
+                format!(r#"{{"type":"OrderRefunded","order_id":"{order}","note":"SECRET-NAME"}}"#),
+                "OrderRefunded",
+                "unknown event type",
+            ),
+            (format!(r#"{{"type":"OrderCancelled","order_id":"{order}"}}"#), order, "missing field version"),
+            (r#"{"type":"OrderPlaced", "amount": "SECRET-12"#.to_owned(), "SECRET-12", "ends early"),
+        ] {
+            let mut uow = MockUnitOfWork::default();
+            let err = futures::executor::block_on(handler().handle(&mut uow, &event(&payload))).expect_err("malformed");
+            let text = err.to_string();
+            assert!(matches!(err, HandlerError::Malformed(_)), "{text}");
+            assert!(!text.contains(secret), "{text} echoes {secret}");
+            assert!(text.contains(expected), "{text}: expected {expected:?}");
         }
     }
 }
