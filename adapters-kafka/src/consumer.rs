@@ -39,6 +39,9 @@ pub const EVENT_ID_HEADER: &str = "event_id";
 /// Dead-letter reason of an event older than the dedup window (see `TtlPolicy::admission_floor`).
 pub const OLDER_THAN_DEDUP_WINDOW: &str = "older-than-dedup-window";
 
+/// Dead-letter reason of an event whose id carries a time too far in the future.
+pub const FUTURE_DATED: &str = "future-dated-event-id";
+
 /// The time a UUID v7 event id carries; `None` for ids without a time (v4), which are retained by
 /// processing time instead.
 fn event_time(id: Uuid) -> Option<chrono::DateTime<chrono::Utc>> {
@@ -459,7 +462,8 @@ impl Runner {
     ) -> bool {
         let mut dead = Vec::new();
         let mut events = Vec::with_capacity(batch.len());
-        let floor = self.settings.dedup_ttl.admission_floor(self.clock.now());
+        let now = self.clock.now();
+        let (floor, ceiling) = (self.settings.dedup_ttl.admission_floor(now), idem_domain::admission_ceiling(now));
         for m in batch {
             match m.to_event() {
                 Ok(e) => match event_time(e.event_id) {
@@ -472,6 +476,15 @@ impl Runner {
                             t.to_rfc3339(),
                             floor.to_rfc3339(),
                             idem_domain::ADMISSION_MARGIN.as_secs()
+                        ),
+                    }),
+                    Some(t) if self.settings.dedup && t > ceiling => dead.push(DeadLetter {
+                        message: m.clone(),
+                        reason: FUTURE_DATED,
+                        error: format!(
+                            "event time {} is more than {} s ahead of this consumer's clock: the producer's clock is wrong",
+                            t.to_rfc3339(),
+                            idem_domain::MAX_FUTURE_SKEW.as_secs()
                         ),
                     }),
                     _ => events.push((m, e)),

@@ -226,7 +226,10 @@ impl Cleaner {
         }
         if let Some(policy) = self.settings.partitions {
             let today = now.date_naive();
-            let behind = policy.ttl.as_secs().div_ceil(86_400) + 1;
+            // The oldest day not yet expired: `ensure` must never create a day `drop_expired` drops at once.
+            let ttl = chrono::Duration::from_std(policy.ttl).map_err(|e| StoreError::Other(e.to_string()))?;
+            let first_live = (now - ttl).date_naive();
+            let behind = u64::try_from((today - first_live).num_days()).unwrap_or(0);
             let created = partitions::ensure(&self.store, today, behind, policy.days_ahead).await?;
             let dropped = partitions::drop_expired(&self.store, now, policy.ttl).await?;
             let default_rows = partitions::clean_default(&self.store, now, self.settings.batch_size).await?;
@@ -344,7 +347,7 @@ pub mod partitions {
                 "CREATE TABLE IF NOT EXISTS {} PARTITION OF {PARENT} FOR VALUES FROM ('{day}') TO ('{next}')",
                 name(day)
             );
-            match sqlx::query(&ddl).execute(store.pool()).await {
+            match bounded_ddl(store, &[&ddl]).await {
                 Ok(_) => created.push(name(day)),
                 Err(e) => {
                     tracing::warn!(partition = %name(day), error = %e, "cannot create partition; its rows stay in the default partition")
@@ -367,20 +370,24 @@ pub mod partitions {
             if end.and_utc() + ttl > now {
                 continue;
             }
-            let mut conn = store.pool().acquire().await.map_err(map_sqlx_error)?;
-            // never queue behind long transactions: give up and retry next round instead
-            sqlx::query("SET lock_timeout = '2s'").execute(&mut *conn).await.map_err(map_sqlx_error)?;
-            let detached =
-                sqlx::query(&format!("ALTER TABLE {PARENT} DETACH PARTITION {name}")).execute(&mut *conn).await;
-            let result = match detached {
-                Ok(_) => sqlx::query(&format!("DROP TABLE {name}")).execute(&mut *conn).await,
-                Err(e) => Err(e),
-            };
-            sqlx::query("RESET lock_timeout").execute(&mut *conn).await.map_err(map_sqlx_error)?;
-            result.map_err(map_sqlx_error)?;
+            let detach = format!("ALTER TABLE {PARENT} DETACH PARTITION {name}");
+            let drop = format!("DROP TABLE {name}");
+            bounded_ddl(store, &[&detach, &drop]).await.map_err(map_sqlx_error)?;
             dropped.push(name);
         }
         Ok(dropped)
+    }
+
+    /// Runs DDL statements in one transaction under `SET LOCAL lock_timeout = '2s'`: never queued behind
+    /// long transactions (it gives up and the next round retries), and no setting outlives the transaction
+    /// on the pooled connection.
+    async fn bounded_ddl(store: &PgStore, statements: &[&str]) -> Result<(), sqlx::Error> {
+        let mut tx = store.pool().begin().await?;
+        sqlx::query("SET LOCAL lock_timeout = '2s'").execute(&mut *tx).await?;
+        for statement in statements {
+            sqlx::query(statement).execute(&mut *tx).await?;
+        }
+        tx.commit().await
     }
 
     /// Deletes expired rows of the default partition in bounded batches; returns the count.

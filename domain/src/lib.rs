@@ -17,4 +17,4 @@ pub use events::{EventId, EventIdError, SagaStep, SagaStepError};
 pub use idempotency::{Decision, Fingerprint, IdempotencyKey, IdempotencyKeyError, decide};
 pub use money::{Amount, Currency, Money, MoneyError, format_amount};
 pub use payment::{RefundPlan, RefundRuleError, plan_refund};
-pub use ttl::{ADMISSION_MARGIN, TtlError, TtlPolicy};
+pub use ttl::{ADMISSION_MARGIN, MAX_FUTURE_SKEW, TtlError, TtlPolicy, admission_ceiling};

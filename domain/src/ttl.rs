@@ -16,6 +16,15 @@ pub const MAX_TTL: Duration = Duration::from_secs(72 * 3600);
 /// an event between `ttl - 1h` and `ttl` old is dead-lettered instead of applied.
 pub const ADMISSION_MARGIN: Duration = Duration::from_secs(3600);
 
+/// The furthest in the future an id's time may be: a producer clock a day ahead is broken, and such an id
+/// would land outside the dedup partitions created ahead (and block creating its day's partition later).
+pub const MAX_FUTURE_SKEW: Duration = Duration::from_secs(24 * 3600);
+
+/// The latest id time a deduplicating receiver admits at `now` (see [`MAX_FUTURE_SKEW`]).
+pub fn admission_ceiling(now: DateTime<Utc>) -> DateTime<Utc> {
+    now + chrono::Duration::from_std(MAX_FUTURE_SKEW).unwrap_or(chrono::Duration::hours(24))
+}
+
 /// A retention outside the accepted range.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error(

@@ -174,3 +174,31 @@ async fn partition_drop_removes_only_expired_ranges() -> anyhow::Result<()> {
     assert!(remaining.iter().all(|(_, day)| *day >= (now - chrono::Duration::days(3)).date_naive()), "{remaining:?}");
     Ok(())
 }
+
+/// Issue 10.5: partition maintenance is stable: a second round creates nothing and drops nothing (it used
+/// to create the oldest day and drop it again every round), and leaves no session setting behind.
+#[tokio::test]
+async fn partition_maintenance_does_not_churn() -> anyhow::Result<()> {
+    use idem_postgres::DedupStorage;
+    use idem_postgres::cleanup::{PartitionPolicy, partitions};
+
+    // Two connections: the cleaner's lock holder and the one maintenance runs on; both are checked below.
+    let settings = idem_postgres::PoolSettings { max_connections: 2, ..idem_postgres::PoolSettings::default() };
+    let db = TestDb::with_pool(settings).await?;
+    let store = db.store.clone().with_dedup_storage(DedupStorage::Partitioned);
+    let now = Utc::now();
+    let policy = PartitionPolicy { ttl: Duration::from_secs(72 * 3600), days_ahead: 3 };
+    let cleaner =
+        Cleaner::new(store.clone(), CleanupSettings { partitions: Some(policy), ..CleanupSettings::default() });
+    cleaner.run_once(now).await?.expect("lock free");
+    let first = partitions::list(&store).await?;
+    let report = cleaner.run_once(now).await?.expect("lock free");
+    assert!(report.partitions_dropped.is_empty(), "the second round dropped {:?}", report.partitions_dropped);
+    assert_eq!(partitions::list(&store).await?, first, "the second round changed the partitions");
+    let (mut a, mut b) = (store.pool().acquire().await?, store.pool().acquire().await?);
+    for conn in [&mut a, &mut b] {
+        let lock_timeout: String = sqlx::query_scalar("SHOW lock_timeout").fetch_one(&mut **conn).await?;
+        assert_eq!(lock_timeout, "0", "a session setting was left on a pooled connection");
+    }
+    Ok(())
+}

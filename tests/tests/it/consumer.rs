@@ -530,11 +530,17 @@ async fn events_older_than_the_dedup_window_are_dead_lettered_not_applied() -> a
     send(&p, &topic, old, v7_ago(Duration::from_secs(73 * 3600)), &placed(old, "pi_old", 1)).await?;
     send(&p, &topic, recent, v7_ago(Duration::from_secs(3600)), &placed(recent, "pi_recent", 1)).await?;
     send(&p, &topic, untimed, Uuid::new_v4(), &placed(untimed, "pi_v4", 1)).await?;
+    // a producer clock days ahead: its id would fall outside the dedup partitions created ahead
+    let future = Uuid::now_v7();
+    let ahead = std::time::SystemTime::now() + Duration::from_secs(10 * 24 * 3600);
+    let d = ahead.duration_since(std::time::UNIX_EPOCH)?;
+    let future_id = Uuid::new_v7(uuid::Timestamp::from_unix(uuid::NoContext, d.as_secs(), d.subsec_nanos()));
+    send(&p, &topic, future, future_id, &placed(future, "pi_future", 1)).await?;
     let running = start(Arc::new(db.store.clone()), settings(&brokers, &unique_topic("g"), &topic, 10));
     let stats = running.stats.clone();
     assert!(
         eventually(Duration::from_secs(60), || async {
-            Ok(stats.dead_lettered.get() >= 1 && stats.processed.get() >= 2)
+            Ok(stats.dead_lettered.get() >= 2 && stats.processed.get() >= 2)
         })
         .await?
     );
@@ -542,9 +548,10 @@ async fn events_older_than_the_dedup_window_are_dead_lettered_not_applied() -> a
     let externals: Vec<String> =
         sqlx::query_scalar("SELECT external_payment_id FROM payment ORDER BY 1").fetch_all(db.pool()).await?;
     assert_eq!(externals, ["pi_recent", "pi_v4"], "the event older than the dedup window was applied");
-    let dlq = read_topic(&brokers, &format!("{topic}.dlq"), 1, Duration::from_secs(30)).await?;
-    assert_eq!(dlq.len(), 1);
+    let dlq = read_topic(&brokers, &format!("{topic}.dlq"), 2, Duration::from_secs(30)).await?;
+    assert_eq!(dlq.len(), 2);
     assert_eq!(dlq[0].header("dlq.reason").as_deref(), Some("older-than-dedup-window"));
     assert!(dlq[0].header("dlq.error").is_some_and(|e| e.contains("admission floor")));
+    assert_eq!(dlq[1].header("dlq.reason").as_deref(), Some("future-dated-event-id"));
     Ok(())
 }
