@@ -55,11 +55,19 @@ pub struct ConsumerSettings {
     pub group_id: String,
     /// `session.timeout.ms`: how long the group waits for a silent member before rebalancing.
     pub session_timeout: Duration,
+    /// `max.poll.interval.ms`: how long the runner may go without polling (a batch retried through a
+    /// database outage) before the member leaves the group; it rejoins at its next poll.
+    pub max_poll_interval: Duration,
 }
 
 impl ConsumerSettings {
     pub fn new(brokers: &str, group_id: &str) -> Self {
-        Self { brokers: brokers.to_owned(), group_id: group_id.to_owned(), session_timeout: Duration::from_secs(10) }
+        Self {
+            brokers: brokers.to_owned(),
+            group_id: group_id.to_owned(),
+            session_timeout: Duration::from_secs(10),
+            max_poll_interval: Duration::from_secs(300),
+        }
     }
 
     pub fn client_config(&self) -> ClientConfig {
@@ -76,7 +84,7 @@ impl ConsumerSettings {
             .set("isolation.level", "read_committed")
             .set("session.timeout.ms", self.session_timeout.as_millis().to_string())
             .set("heartbeat.interval.ms", (self.session_timeout.as_millis() / 4).max(100).to_string())
-            .set("max.poll.interval.ms", "300000");
+            .set("max.poll.interval.ms", self.max_poll_interval.as_millis().to_string());
         c
     }
 }

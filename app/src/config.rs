@@ -160,6 +160,9 @@ pub struct ServeArgs {
     /// Consumer group session timeout.
     #[arg(long, env = "KAFKA_SESSION_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub session_timeout: Duration,
+    /// Longest time between two polls before the consumer leaves its group (it rejoins by itself).
+    #[arg(long, env = "KAFKA_MAX_POLL_INTERVAL", default_value = "300s", value_parser = parse_duration)]
+    pub max_poll_interval: Duration,
     /// Merchant that payments created from order events belong to.
     #[arg(long, env = "ORDERS_MERCHANT_ID", default_value = "orders")]
     pub orders_merchant_id: String,
@@ -204,6 +207,9 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// Checks what the parsers alone cannot.
     pub fn validate(&self) -> Result<(), String> {
+        if self.max_poll_interval < self.session_timeout {
+            return Err("KAFKA_MAX_POLL_INTERVAL must be at least KAFKA_SESSION_TIMEOUT".into());
+        }
         if self.api_keys.is_empty() {
             return Err("IDEM_API_KEYS is empty: configure at least one merchant:key pair".into());
         }

@@ -198,6 +198,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     settings.batch_timeout = args.batch_timeout;
     settings.max_rejections = args.max_rejections;
     settings.consumer.session_timeout = args.session_timeout;
+    settings.consumer.max_poll_interval = args.max_poll_interval;
     settings.producer = ProducerSettings::new(&args.kafka.kafka_brokers);
     let handler = Arc::new(OrderEventHandler {
         clock: clock.clone(),
@@ -395,5 +396,6 @@ mod tests {
         refused(&["--orders-topic", "bad topic"], "topic names");
         refused(&["--orders-topic", "payments"], "must differ");
         refused(&["--database-max-connections", "0"], "database-max-connections");
+        refused(&["--max-poll-interval", "5s"], "KAFKA_MAX_POLL_INTERVAL");
     }
 }

@@ -316,7 +316,7 @@ async fn s3_broker_connection_cut_and_restored() -> anyhow::Result<()> {
 }
 
 /// Scenarios 2 and 6: the service reaches PostgreSQL through a proxy the test controls.
-async fn database_fault(name: &'static str, outage: Duration, cuts: usize) -> anyhow::Result<()> {
+async fn database_fault(name: &'static str, outage: Duration, cuts: usize, env: &[(&str, &str)]) -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let brokers = idem_tests::kafka_brokers().await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -324,6 +324,9 @@ async fn database_fault(name: &'static str, outage: Duration, cuts: usize) -> an
     let via_proxy = db.url.replacen("127.0.0.1:5432", &proxy.addr.to_string(), 1);
     anyhow::ensure!(via_proxy != db.url, "DATABASE_URL must point at 127.0.0.1:5432 for this scenario");
     let mut service = Service::new(&via_proxy, &brokers).with_env("IDEMPOTENCY_WAIT", "1s");
+    for (k, v) in env {
+        service = service.with_env(k, v);
+    }
     service.start().await?;
     let charges = scale(150, 1500);
     let orders = scale(60, 600);
@@ -344,6 +347,7 @@ async fn database_fault(name: &'static str, outage: Duration, cuts: usize) -> an
     }
     http.await??;
     let (placed, cancelled, sent) = events.await??;
+    assert!(service.alive(), "the database outage ended the idem process");
     let mut summary =
         Summary { scenario: name, operations: charges + sent, faults: cuts, findings: Default::default() };
     await_events(&db, &placed, &cancelled, &mut summary).await?;
@@ -362,12 +366,27 @@ async fn database_fault(name: &'static str, outage: Duration, cuts: usize) -> an
 #[tokio::test]
 async fn s2_database_restart_during_load() -> anyhow::Result<()> {
     // every connection dropped at once and refused for a moment: what clients see of a PostgreSQL restart
-    database_fault("2. database 'restart': all connections dropped", Duration::from_millis(1500), scale(2, 10)).await
+    database_fault("2. database 'restart': all connections dropped", Duration::from_millis(1500), scale(2, 10), &[])
+        .await
 }
 
 #[tokio::test]
 async fn s6_database_network_cut() -> anyhow::Result<()> {
-    database_fault("6. network cut between service and database", Duration::from_secs(6), scale(1, 5)).await
+    database_fault("6. network cut between service and database", Duration::from_secs(6), scale(1, 5), &[]).await
+}
+
+/// Scenario 9: a database outage longer than `max.poll.interval.ms`: the consumer retries its batch without
+/// polling, leaves the group, and must rejoin and finish once the database returns — without the process
+/// exiting, without a duplicate or a loss.
+#[tokio::test]
+async fn s9_database_outage_longer_than_max_poll_interval() -> anyhow::Result<()> {
+    database_fault(
+        "9. database outage longer than max.poll.interval.ms",
+        Duration::from_secs(14),
+        1,
+        &[("KAFKA_MAX_POLL_INTERVAL", "7s")],
+    )
+    .await
 }
 
 #[tokio::test]
