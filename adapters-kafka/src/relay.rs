@@ -191,11 +191,11 @@ impl Relay {
             let pause = match self.round(&current).await {
                 Ok(round) if round.failed == 0 => {
                     failures = 0;
-                    if round.claimed > 0 {
-                        // More may be waiting: a claim takes a share of the key shards (and at most
-                        // `batch_size` rows), so only an empty claim means the outbox is drained for now.
-                        continue;
+                    if round.claimed as i64 >= self.settings.batch_size {
+                        continue; // more are waiting
                     }
+                    // A partial claim: rows of shards other rounds held are theirs, or the next wake-up's.
+                    // Every worker wakes on each signal, so together they cover all the shards.
                     tokio::select! {
                         _ = shutdown.cancelled() => break,
                         _ = woken.changed() => {}

@@ -1,6 +1,8 @@
 //! Deletes expired rows: idempotency records, processed events, published outbox rows.
 //!
-//! Each round takes a session advisory lock so only one instance cleans at a time, then deletes per table in
+//! Each round takes a transaction-scoped advisory lock, held by a transaction of its own for the round, so
+//! only one instance cleans at a time and nothing outlives the round on a pooled connection (a crash frees
+//! it with the connection). Then it deletes per table in
 //! bounded batches (`DELETE … WHERE key IN (SELECT … WHERE expires_at <= now ORDER BY expires_at LIMIT n
 //! FOR UPDATE SKIP LOCKED)`): every batch is its own short transaction found through the `expires_at`
 //! index, so no statement holds locks or produces WAL for long, and rows in use are skipped.
@@ -14,7 +16,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use sqlx::{Connection, PgConnection};
+use sqlx::PgConnection;
 
 use crate::PgStore;
 use crate::error::map_sqlx_error;
@@ -187,23 +189,29 @@ impl Cleaner {
 
     /// One round at time `now`. `Ok(None)` when another instance holds the cleaner lock.
     pub async fn run_once(&self, now: DateTime<Utc>) -> Result<Option<CleanupReport>, StoreError> {
-        let mut conn = self.store.pool().acquire().await.map_err(map_sqlx_error)?;
-        let locked: bool = sqlx::query_scalar!(r#"SELECT pg_try_advisory_lock($1) AS "locked!""#, CLEANER_LOCK)
-            .fetch_one(&mut *conn)
+        // The lock's transaction stays open (idle) for the round: exempt it, in this transaction only, from
+        // the sessions' idle-in-transaction timeout.
+        let mut lock = self.store.pool().begin().await.map_err(map_sqlx_error)?;
+        sqlx::query("SET LOCAL idle_in_transaction_session_timeout = 0")
+            .execute(&mut *lock)
+            .await
+            .map_err(map_sqlx_error)?;
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+            .bind(CLEANER_LOCK)
+            .fetch_one(&mut *lock)
             .await
             .map_err(map_sqlx_error)?;
         if !locked {
             self.stats.skipped_rounds.inc();
             return Ok(None);
         }
-        let result = self.delete_all(&mut conn, now).await;
-        let unlocked = sqlx::query_scalar!(r#"SELECT pg_advisory_unlock($1) AS "unlocked!""#, CLEANER_LOCK)
-            .fetch_one(&mut *conn)
-            .await;
-        if !matches!(unlocked, Ok(true)) {
-            // Never hand a connection that may still hold the lock back to the pool.
-            let _ = conn.detach().close().await;
+        let result = async {
+            let mut conn = self.store.pool().acquire().await.map_err(map_sqlx_error)?;
+            self.delete_all(&mut conn, now).await
         }
+        .await;
+        // Ending the transaction releases the lock; if that fails the connection is closed, which does too.
+        let _ = lock.rollback().await;
         let report = result?;
         self.stats.rounds.inc();
         Ok(Some(report))

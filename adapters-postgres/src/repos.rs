@@ -534,6 +534,13 @@ impl OutboxRepository for PgUnitOfWork {
         // one key at once, and a key's rows are claimed in `seq` order. `FOR UPDATE` (no SKIP LOCKED: a
         // skipped row would let a later row of its key overtake it) re-checks `published_at` against the
         // latest committed version. Quarantined rows, and every row of a key that has one, are skipped.
+        // Prefer reading the unpublished rows in `seq` order from their index over a bitmap scan and a sort:
+        // an index scan marks the entries of published (dead) rows as it passes them, so the next claims skip
+        // them; a bitmap scan revisits every dead entry on every claim until VACUUM (measured: 100,000 dead
+        // entries made each claim ~8 ms and the relay's p99 commit-to-publish 130 ms). Discouraging the sort
+        // (not forbidding bitmap scans) leaves the planner every plan when index scans are unavailable.
+        // Transaction-scoped, like everything this unit sets.
+        sqlx::query("SET LOCAL enable_sort = off").execute(self.connection()).await.map_err(map_sqlx_error)?;
         let rows = sqlx::query!(
             r#"WITH candidates AS MATERIALIZED (
                    SELECT key_shard FROM outbox_message o

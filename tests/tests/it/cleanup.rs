@@ -182,8 +182,8 @@ async fn partition_maintenance_does_not_churn() -> anyhow::Result<()> {
     use idem_postgres::DedupStorage;
     use idem_postgres::cleanup::{PartitionPolicy, partitions};
 
-    // Two connections: the cleaner's lock holder and the one maintenance runs on; both are checked below.
-    let settings = idem_postgres::PoolSettings { max_connections: 2, ..idem_postgres::PoolSettings::default() };
+    // Three connections: the cleaner's lock, its deletes, and partition DDL; all are checked below.
+    let settings = idem_postgres::PoolSettings { max_connections: 3, ..idem_postgres::PoolSettings::default() };
     let db = TestDb::with_pool(settings).await?;
     let store = db.store.clone().with_dedup_storage(DedupStorage::Partitioned);
     let now = Utc::now();
@@ -195,10 +195,21 @@ async fn partition_maintenance_does_not_churn() -> anyhow::Result<()> {
     let report = cleaner.run_once(now).await?.expect("lock free");
     assert!(report.partitions_dropped.is_empty(), "the second round dropped {:?}", report.partitions_dropped);
     assert_eq!(partitions::list(&store).await?, first, "the second round changed the partitions");
-    let (mut a, mut b) = (store.pool().acquire().await?, store.pool().acquire().await?);
-    for conn in [&mut a, &mut b] {
+    let mut conns = Vec::new();
+    for _ in 0..3 {
+        conns.push(store.pool().acquire().await?);
+    }
+    for conn in &mut conns {
         let lock_timeout: String = sqlx::query_scalar("SHOW lock_timeout").fetch_one(&mut **conn).await?;
         assert_eq!(lock_timeout, "0", "a session setting was left on a pooled connection");
+        let idle: String =
+            sqlx::query_scalar("SHOW idle_in_transaction_session_timeout").fetch_one(&mut **conn).await?;
+        assert_eq!(idle, "1min", "the cleaner's exemption outlived its transaction");
+        let advisory: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+            .fetch_one(&mut **conn)
+            .await?;
+        assert_eq!(advisory, 0, "an advisory lock outlived the round");
     }
     Ok(())
 }
