@@ -422,14 +422,7 @@ where
     let route = parts.uri.path_and_query().map_or(parts.uri.path(), |pq| pq.as_str());
     let fingerprint = Fingerprint::of_request(parts.method.as_str(), route, &body);
 
-    // One wait budget for both: the in-process wait for a leader of this key, then the database claim.
-    let deadline = tokio::time::Instant::now() + config.wait;
-    let Some(_leader) = shared.in_flight.lead((scope.clone(), key.as_str().to_owned()), deadline).await else {
-        return in_flight();
-    };
-    let claim_wait = deadline.saturating_duration_since(tokio::time::Instant::now()).max(Duration::from_millis(100));
-    let now = shared.clock.now();
-    if key.is_expired(&config.ttl, now) {
+    if key.is_expired(&config.ttl, shared.clock.now()) {
         let problem = layer_problem(ProblemKind::IdempotencyKeyExpired, StatusCode::UNPROCESSABLE_ENTITY).detail(
             "this UUID v7 Idempotency-Key was created longer ago than idempotency records are kept: its first \
              request may have run and been forgotten, so it is not executed again; if the operation is still \
@@ -437,6 +430,13 @@ where
         );
         return tagged(problem.into_response(), "rejected_input");
     }
+    // One wait budget for both: the in-process wait for a leader of this key, then the database claim.
+    let deadline = tokio::time::Instant::now() + config.wait;
+    let Some(_leader) = shared.in_flight.lead((scope.clone(), key.as_str().to_owned()), deadline).await else {
+        return in_flight();
+    };
+    let claim_wait = deadline.saturating_duration_since(tokio::time::Instant::now()).max(Duration::from_millis(100));
+    let now = shared.clock.now();
     let mut uow = match shared.tm.begin().await {
         Ok(uow) => uow,
         Err(e) => return store_failure(&e),

@@ -42,16 +42,6 @@ pub const OLDER_THAN_DEDUP_WINDOW: &str = "older-than-dedup-window";
 /// Dead-letter reason of an event whose id carries a time too far in the future.
 pub const FUTURE_DATED: &str = "future-dated-event-id";
 
-/// The time a UUID v7 event id carries; `None` for ids without a time (v4), which are retained by
-/// processing time instead.
-fn event_time(id: Uuid) -> Option<chrono::DateTime<chrono::Utc>> {
-    if id.get_version_num() != 7 {
-        return None;
-    }
-    let (secs, nanos) = id.get_timestamp()?.to_unix();
-    chrono::DateTime::from_timestamp(i64::try_from(secs).ok()?, nanos)
-}
-
 /// Header carrying the saga id.
 pub const SAGA_ID_HEADER: &str = "saga_id";
 
@@ -466,7 +456,8 @@ impl Runner {
         let (floor, ceiling) = (self.settings.dedup_ttl.admission_floor(now), idem_domain::admission_ceiling(now));
         for m in batch {
             match m.to_event() {
-                Ok(e) => match event_time(e.event_id) {
+                // Ids without a time (v4) have no age to check: they are retained by processing time.
+                Ok(e) => match idem_domain::uuid_v7_time(e.event_id) {
                     // Its dedup row may already be gone: applying it could apply it twice.
                     Some(t) if self.settings.dedup && t < floor => dead.push(DeadLetter {
                         message: m.clone(),

@@ -5,6 +5,16 @@ use std::fmt;
 use thiserror::Error;
 use uuid::Uuid;
 
+/// The creation time a UUID v7 carries (its first 48 bits, milliseconds since the epoch); `None` for other
+/// versions. Used by the rules that depend on a message's or a key's age.
+pub fn uuid_v7_time(id: Uuid) -> Option<chrono::DateTime<chrono::Utc>> {
+    if id.get_version_num() != 7 {
+        return None;
+    }
+    let (secs, nanos) = id.get_timestamp()?.to_unix();
+    chrono::DateTime::from_timestamp(i64::try_from(secs).ok()?, nanos)
+}
+
 /// Why an event id was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum EventIdError {

@@ -65,9 +65,7 @@ impl IdempotencyKey {
     /// When the key was first sent, if the key tells: a UUID v7 key carries its creation time (the
     /// `first_sent` of AEP-155 / Google AIP-155). Other keys do not.
     pub fn first_sent(&self) -> Option<DateTime<Utc>> {
-        let id = uuid::Uuid::try_parse(&self.0).ok().filter(|u| u.get_version_num() == 7)?;
-        let (secs, nanos) = id.get_timestamp()?.to_unix();
-        DateTime::from_timestamp(i64::try_from(secs).ok()?, nanos)
+        crate::events::uuid_v7_time(uuid::Uuid::try_parse(&self.0).ok()?)
     }
 
     /// Whether the key says it was created longer than `ttl` before `now`: its record, if any, may already

@@ -13,7 +13,7 @@ pub mod saga;
 pub mod ttl;
 pub mod usecases;
 
-pub use events::{EventId, EventIdError, SagaStep, SagaStepError};
+pub use events::{EventId, EventIdError, SagaStep, SagaStepError, uuid_v7_time};
 pub use idempotency::{Decision, Fingerprint, IdempotencyKey, IdempotencyKeyError, decide};
 pub use money::{Amount, Currency, Money, MoneyError, format_amount};
 pub use payment::{RefundPlan, RefundRuleError, plan_refund};

@@ -117,6 +117,12 @@ impl TestDb {
     }
 }
 
+/// A UUID v7 whose embedded time is `at` (ids from the past or the future, for the age rules).
+pub fn v7_at(at: chrono::DateTime<chrono::Utc>) -> uuid::Uuid {
+    let ts = uuid::Timestamp::from_unix(uuid::NoContext, at.timestamp() as u64, at.timestamp_subsec_nanos());
+    uuid::Uuid::new_v7(ts)
+}
+
 /// Replaces the database name in a PostgreSQL URL.
 pub fn with_database(url: &str, db: &str) -> String {
     let (base, query) = match url.split_once('?') {

@@ -111,11 +111,6 @@ async fn a_failed_round_does_not_stop_the_next() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn v7_at(at: DateTime<Utc>) -> uuid::Uuid {
-    let ts = uuid::Timestamp::from_unix(uuid::NoContext, at.timestamp() as u64, at.timestamp_subsec_nanos());
-    uuid::Uuid::new_v7(ts)
-}
-
 #[tokio::test]
 async fn partition_drop_removes_only_expired_ranges() -> anyhow::Result<()> {
     use idem_ports::{ProcessedEvent, TransactionManager};
@@ -130,7 +125,7 @@ async fn partition_drop_removes_only_expired_ranges() -> anyhow::Result<()> {
     let days = [6i64, 5, 4, 3, 1, 0];
     let mut ids = Vec::new();
     for d in days {
-        let id = v7_at(now - chrono::Duration::days(d));
+        let id = idem_tests::v7_at(now - chrono::Duration::days(d));
         ids.push((d, id));
         let mut uow = store.begin().await?;
         let fresh = uow

@@ -512,13 +512,6 @@ async fn committed_offsets_never_move_backwards_across_rebalances() -> anyhow::R
     Ok(())
 }
 
-/// A UUID v7 whose time is `ago` before now.
-fn v7_ago(ago: Duration) -> Uuid {
-    let at = std::time::SystemTime::now() - ago;
-    let since = at.duration_since(std::time::UNIX_EPOCH).expect("after the epoch");
-    Uuid::new_v7(uuid::Timestamp::from_unix(uuid::NoContext, since.as_secs(), since.subsec_nanos()))
-}
-
 /// Issue 10.5: a consumer days behind must not apply an event whose dedup row may already be gone. An
 /// event whose v7 id is older than the dedup window (less the margin) is dead-lettered as
 /// `older-than-dedup-window`; younger events and ids without a time (v4) are applied.
@@ -527,14 +520,26 @@ async fn events_older_than_the_dedup_window_are_dead_lettered_not_applied() -> a
     let (db, brokers, topic) = setup(1).await?;
     let p = producer(&brokers)?;
     let (old, recent, untimed) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
-    send(&p, &topic, old, v7_ago(Duration::from_secs(73 * 3600)), &placed(old, "pi_old", 1)).await?;
-    send(&p, &topic, recent, v7_ago(Duration::from_secs(3600)), &placed(recent, "pi_recent", 1)).await?;
+    send(
+        &p,
+        &topic,
+        old,
+        idem_tests::v7_at(chrono::Utc::now() - chrono::Duration::hours(73)),
+        &placed(old, "pi_old", 1),
+    )
+    .await?;
+    send(
+        &p,
+        &topic,
+        recent,
+        idem_tests::v7_at(chrono::Utc::now() - chrono::Duration::hours(1)),
+        &placed(recent, "pi_recent", 1),
+    )
+    .await?;
     send(&p, &topic, untimed, Uuid::new_v4(), &placed(untimed, "pi_v4", 1)).await?;
     // a producer clock days ahead: its id would fall outside the dedup partitions created ahead
     let future = Uuid::now_v7();
-    let ahead = std::time::SystemTime::now() + Duration::from_secs(10 * 24 * 3600);
-    let d = ahead.duration_since(std::time::UNIX_EPOCH)?;
-    let future_id = Uuid::new_v7(uuid::Timestamp::from_unix(uuid::NoContext, d.as_secs(), d.subsec_nanos()));
+    let future_id = idem_tests::v7_at(chrono::Utc::now() + chrono::Duration::days(10));
     send(&p, &topic, future, future_id, &placed(future, "pi_future", 1)).await?;
     let running = start(Arc::new(db.store.clone()), settings(&brokers, &unique_topic("g"), &topic, 10));
     let stats = running.stats.clone();

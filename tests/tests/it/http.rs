@@ -778,11 +778,7 @@ async fn another_merchants_provider_payment_id_gets_a_generic_conflict() -> anyh
 #[tokio::test]
 async fn a_v7_key_older_than_the_retention_is_refused() -> anyhow::Result<()> {
     let api = spawn().await?;
-    let v7_ago = |hours: u64| {
-        let at = std::time::SystemTime::now() - Duration::from_secs(hours * 3600);
-        let d = at.duration_since(std::time::UNIX_EPOCH).expect("after the epoch");
-        Uuid::new_v7(uuid::Timestamp::from_unix(uuid::NoContext, d.as_secs(), d.subsec_nanos())).to_string()
-    };
+    let v7_ago = |hours: i64| idem_tests::v7_at(chrono::Utc::now() - chrono::Duration::hours(hours)).to_string();
     let old = api.charge(KEY_A, &v7_ago(49), &charge_body("pi_old_key", "5.00")).await?;
     assert_eq!(old.status, 422, "{}", String::from_utf8_lossy(&old.body));
     assert_eq!(old.problem_type(), "urn:idem:problem:idempotency-key-expired");
