@@ -185,11 +185,11 @@ impl Findings {
         self.details.extend(other.details);
     }
 
-    fn dup(&mut self, what: String) {
+    pub fn dup(&mut self, what: String) {
         self.duplicates += 1;
         self.details.push(format!("duplicate: {what}"));
     }
-    fn lost(&mut self, what: String) {
+    pub fn lost(&mut self, what: String) {
         self.lost += 1;
         self.details.push(format!("lost: {what}"));
     }

@@ -570,3 +570,175 @@ async fn s10_large_outbox_backlog_with_a_forced_plan() -> anyhow::Result<()> {
     finish(&summary);
     Ok(())
 }
+
+/// Scenario 11: a consumer days behind under `DEDUP_STORAGE=partitioned`, with redelivery after the
+/// cleaner has dropped expired partitions. Event ids carry times spread over the last 26 h (`DEDUP_TTL` is
+/// 24 h, so the admission floor is 23 h); every event is delivered, the cleaner runs every second, then
+/// every event is delivered again. Events younger than the floor are applied exactly once (their dedup rows
+/// sit in partitions the cleaner keeps); older ones are never applied and each copy is dead-lettered
+/// `older-than-dedup-window`.
+#[tokio::test]
+async fn s11_lag_past_a_partition_boundary_with_redelivery() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&db.url, &brokers)
+        .with_env("DEDUP_STORAGE", "partitioned")
+        .with_env("DEDUP_TTL", "24h")
+        .with_env("CLEANUP_INTERVAL", "1s");
+    service.start().await?;
+    let events = scale(120, 2000);
+    let now = chrono::Utc::now();
+    // ages in minutes over [0, 26 h), skipping ±30 min around the 23 h floor (an age measured at send time
+    // must not change sides before the consumer reads it)
+    let ages: Vec<i64> = (0..events as i64)
+        .map(|i| i * 26 * 60 / events as i64)
+        .filter(|m| !(22 * 60 + 30..23 * 60 + 30).contains(m))
+        .collect();
+    let p = producer(&brokers)?;
+    let mut batch = Vec::new();
+    for age in &ages {
+        let order = Uuid::now_v7();
+        let id = idem_tests::v7_at(now - chrono::Duration::minutes(*age));
+        let body = json!({
+            "type": "OrderPlaced", "order_id": order, "customer_id": Uuid::now_v7(), "amount": "20.00",
+            "currency": "EUR", "provider": "faults-kafka", "external_payment_id": format!("lag_{order}"), "version": 1,
+        })
+        .to_string();
+        batch.push((*age < 23 * 60, order, id, body));
+    }
+    let deliver = |batch: &Vec<(bool, Uuid, Uuid, String)>| {
+        let (p, topic, batch) = (p.clone(), service.orders_topic.clone(), batch.clone());
+        async move {
+            for (_, order, id, body) in &batch {
+                send_retrying(&p, &topic, &order.to_string(), body, &[("event_id", &id.to_string())]).await?;
+            }
+            anyhow::Ok(())
+        }
+    };
+    let admitted: BTreeSet<Uuid> = batch.iter().filter(|b| b.0).map(|b| b.1).collect();
+    let refused = batch.len() - admitted.len();
+    assert!(admitted.len() > 10 && refused > 5, "the load spans both sides of the floor");
+    let payments = |store: idem_postgres::PgStore| async move {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM payment WHERE provider = 'faults-kafka'")
+            .fetch_one(store.pool())
+            .await?;
+        anyhow::Ok(n)
+    };
+
+    deliver(&batch).await?;
+    let want = admitted.len() as i64;
+    let store = db.store.clone();
+    eventually(Duration::from_secs(120), || {
+        let store = store.clone();
+        async move { Ok(payments(store).await? >= want) }
+    })
+    .await?;
+    // the cleaner runs every second: give it rounds to drop what it considers expired, then redeliver
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let ids: Vec<Uuid> = batch.iter().filter(|b| b.0).map(|b| b.2).collect();
+    let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM processed_event_partitioned WHERE event_id = ANY($1)")
+        .bind(&ids)
+        .fetch_one(db.pool())
+        .await?;
+    deliver(&batch).await?;
+
+    let mut summary = Summary {
+        scenario: "11. lag past a partition boundary, redelivered",
+        operations: batch.len() * 2,
+        faults: 1,
+        findings: Default::default(),
+    };
+    if kept != want {
+        summary.findings.dup(format!("{} admitted events lost their dedup row to cleanup", want - kept));
+    }
+    let dlq = idem_tests::kafka::read_topic(
+        &brokers,
+        &format!("{}.dlq", service.orders_topic),
+        refused * 2,
+        Duration::from_secs(120),
+    )
+    .await?;
+    let too_old = dlq.iter().filter(|m| m.header("dlq.reason").as_deref() == Some("older-than-dedup-window")).count();
+    if too_old != refused * 2 {
+        summary.findings.lost += (refused * 2).saturating_sub(too_old);
+        summary.findings.details.push(format!("{too_old} dead letters for {refused} refused events sent twice"));
+    }
+    let stored = payments(db.store.clone()).await?;
+    if stored > want {
+        summary.findings.duplicates += (stored - want) as usize;
+        summary.findings.details.push(format!("{stored} payments for {want} admitted events"));
+    }
+    for (ok, order, ..) in &batch {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM payment WHERE order_id = $1")
+            .bind(order)
+            .fetch_one(db.pool())
+            .await?;
+        match (ok, n) {
+            (true, 1) | (false, 0) => {}
+            (true, 0) => summary.findings.lost(format!("admitted order {order} has no payment")),
+            (false, _) => summary.findings.dup(format!("order {order} older than the window was applied")),
+            (true, n) => summary.findings.dup(format!("order {order} has {n} payments")),
+        }
+    }
+    assert!(service.alive(), "the lagging load ended the idem process");
+    finish(&summary);
+    Ok(())
+}
+
+/// Scenario 12: a poison outbox row (2 MiB, above the producer's `message.max.bytes`) and a later row of
+/// its key, written while clients charge: the real relay quarantines it after a bounded number of
+/// attempts, holds the later row of its key behind it, and publishes every charge.
+#[tokio::test]
+async fn s12_poison_outbox_row_under_load() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&db.url, &brokers);
+    service.start().await?;
+    let charges = scale(200, 2000);
+    let ledger = Arc::new(Ledger::default());
+    let load = tokio::spawn(ServiceRef::of(&service).load(ledger.clone(), charges, 4, "poison"));
+    let (poison, after) = (Uuid::now_v7(), Uuid::now_v7());
+    for (id, payload) in [(poison, json!({ "blob": "x".repeat(2 << 20) })), (after, json!({ "after": true }))] {
+        sqlx::query(
+            "INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, headers, created_at)
+             VALUES ($1, $2, 'payment', 'poison-key', 'PaymentCaptured', $3, '{}', now())",
+        )
+        .bind(id)
+        .bind(&service.payments_topic)
+        .bind(payload)
+        .execute(db.pool())
+        .await?;
+    }
+    load.await??;
+    let mut summary = Summary {
+        scenario: "12. poison outbox row among charges",
+        operations: charges + 2,
+        faults: 1,
+        findings: Default::default(),
+    };
+    let others = eventually(Duration::from_secs(60), || async { Ok(db.unpublished().await? == 2) }).await?;
+    if !others {
+        summary.findings.lost(format!("{} rows unpublished besides the poison key's two", db.unpublished().await? - 2));
+    }
+    let (attempts, quarantined, error): (i32, bool, Option<String>) =
+        sqlx::query_as("SELECT attempts, quarantined_at IS NOT NULL, last_error FROM outbox_message WHERE id = $1")
+            .bind(poison)
+            .fetch_one(db.pool())
+            .await?;
+    assert!(quarantined && (1..=5).contains(&attempts), "poison row: quarantined {quarantined}, {attempts} attempts");
+    assert!(error.is_some_and(|e| !e.is_empty()), "the quarantined row keeps its last error");
+    let held: bool = sqlx::query_scalar("SELECT published_at IS NULL FROM outbox_message WHERE id = $1")
+        .bind(after)
+        .fetch_one(db.pool())
+        .await?;
+    assert!(held, "a later row of the poison key overtook it");
+    let metrics = reqwest::get(format!("{}/metrics", service.admin)).await?.text().await?;
+    assert!(metrics.lines().any(|l| l.starts_with("idem_outbox_quarantined") && l.ends_with(" 1")), "{metrics}");
+    assert!(service.alive(), "the poison row ended the idem process");
+    // the poison key's two rows are asserted above; the generic check covers everything else
+    sqlx::query("DELETE FROM outbox_message WHERE aggregateid = 'poison-key'").execute(db.pool()).await?;
+    let found = check(&db, &ledger, &service, &brokers, &BTreeSet::new()).await?;
+    summary.findings.absorb(found);
+    finish(&summary);
+    Ok(())
+}
