@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs (when missing) and starts what idem and its tests need on a fresh Debian machine:
 #   - build packages for rdkafka's `cmake-build` feature (cmake, libcurl4-openssl-dev);
+#   - promtool (Debian's prometheus package) for the alert-rule tests;
 #   - PostgreSQL on 127.0.0.1:5432 (started if installed, installed if missing);
 #   - the tansu Kafka-protocol broker (memory storage) on 127.0.0.1:9092.
 # Idempotent: running it twice is harmless. `scripts/services.sh stop` stops tansu.
@@ -92,7 +93,7 @@ stop_tansu() {
 
 case "${1:-start}" in
   start)
-    apt_install_missing cmake libcurl4-openssl-dev build-essential pkg-config
+    apt_install_missing cmake libcurl4-openssl-dev build-essential pkg-config prometheus
     python3 -m pip --version >/dev/null 2>&1 || apt_install_missing python3 python3-pip
     start_postgres
     start_tansu

@@ -42,6 +42,15 @@ pub const OLDER_THAN_DEDUP_WINDOW: &str = "older-than-dedup-window";
 /// Dead-letter reason of an event whose id carries a time too far in the future.
 pub const FUTURE_DATED: &str = "future-dated-event-id";
 
+/// What records an event as applied, in the transaction that applies it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dedup {
+    /// `record_new` in the processed-event table (every event inside the dedup window).
+    Window,
+    /// The operator's admission of an event older than the window, marked applied once.
+    LateAdmission,
+}
+
 /// Header carrying the saga id.
 pub const SAGA_ID_HEADER: &str = "saga_id";
 
@@ -452,6 +461,7 @@ impl Runner {
     ) -> bool {
         let mut dead = Vec::new();
         let mut events = Vec::with_capacity(batch.len());
+        let mut too_old = Vec::new();
         let now = self.clock.now();
         let (floor, ceiling) = (self.settings.dedup_ttl.admission_floor(now), idem_domain::admission_ceiling(now));
         for m in batch {
@@ -459,16 +469,7 @@ impl Runner {
                 // Ids without a time (v4) have no age to check: they are retained by processing time.
                 Ok(e) => match idem_domain::uuid_v7_time(e.event_id) {
                     // Its dedup row may already be gone: applying it could apply it twice.
-                    Some(t) if self.settings.dedup && t < floor => dead.push(DeadLetter {
-                        message: m.clone(),
-                        reason: OLDER_THAN_DEDUP_WINDOW,
-                        error: format!(
-                            "event time {} is before the admission floor {} (DEDUP_TTL less {} s); re-drive it deliberately if it must be applied",
-                            t.to_rfc3339(),
-                            floor.to_rfc3339(),
-                            idem_domain::ADMISSION_MARGIN.as_secs()
-                        ),
-                    }),
+                    Some(t) if self.settings.dedup && t < floor => too_old.push((m, e, t)),
                     Some(t) if self.settings.dedup && t > ceiling => dead.push(DeadLetter {
                         message: m.clone(),
                         reason: FUTURE_DATED,
@@ -483,6 +484,27 @@ impl Runner {
                 Err(error) => dead.push(DeadLetter { message: m.clone(), reason: "invalid-headers", error }),
             }
         }
+        // Older than the dedup window: applied only if an operator admitted it (once), else dead-lettered.
+        let Some(admitted) = self.late_admitted(&too_old, shutdown).await else {
+            return false;
+        };
+        let mut late = Vec::new();
+        for (m, e, t) in too_old {
+            if admitted.contains(&e.event_id) {
+                late.push((m, e));
+                continue;
+            }
+            dead.push(DeadLetter {
+                message: m.clone(),
+                reason: OLDER_THAN_DEDUP_WINDOW,
+                error: format!(
+                    "event time {} is before the admission floor {} (DEDUP_TTL less {} s); re-drive it deliberately if it must be applied",
+                    t.to_rfc3339(),
+                    floor.to_rfc3339(),
+                    idem_domain::ADMISSION_MARGIN.as_secs()
+                ),
+            });
+        }
         let mut backoff = Backoff::new();
         // After a failure the handler could not pin on one event (a set-based statement of the whole
         // batch), the rest of the batch runs one event per transaction, so the failure lands on the event
@@ -493,7 +515,7 @@ impl Runner {
                 self.apply_one_by_one(&mut events).await
             } else {
                 let only_events: Vec<&InboundEvent> = events.iter().map(|(_, e)| e).collect();
-                self.apply(&only_events).await
+                self.apply(&only_events, Dedup::Window).await
             };
             match outcome {
                 BatchOutcome::Committed => break,
@@ -530,6 +552,27 @@ impl Runner {
                 }
             }
         }
+        // Late admissions after the rest of the batch, one transaction each (rare: an operator's re-drive).
+        for (m, e) in late {
+            loop {
+                match self.apply(&[&e], Dedup::LateAdmission).await {
+                    BatchOutcome::Committed => break,
+                    BatchOutcome::Transient(err) => {
+                        tracing::warn!(error = %err, "late admission rolled back on a transient failure; retrying");
+                        if !backoff.wait(shutdown).await {
+                            return false;
+                        }
+                    }
+                    BatchOutcome::EventFailed { error, .. } => {
+                        let reason = if matches!(error, HandlerError::Malformed(_)) { "malformed" } else { "rejected" };
+                        dead.push(DeadLetter { message: m.clone(), reason, error: error.to_string() });
+                        break;
+                    }
+                }
+            }
+        }
+        // dead letters of a partition go out in offset order, whichever step refused them
+        dead.sort_by_key(|d| (d.message.partition, d.message.offset));
         for d in &dead {
             if !self.dead_letter(producer, d, shutdown).await {
                 return false;
@@ -542,7 +585,7 @@ impl Runner {
     /// the failing event (the first one left).
     async fn apply_one_by_one(&self, events: &mut Vec<(&Received, InboundEvent)>) -> BatchOutcome {
         while let Some((_, event)) = events.first() {
-            match self.apply(&[event]).await {
+            match self.apply(&[event], Dedup::Window).await {
                 BatchOutcome::Committed => {
                     events.remove(0);
                 }
@@ -553,8 +596,37 @@ impl Runner {
         BatchOutcome::Committed
     }
 
-    /// One unit of work over the batch.
-    async fn apply(&self, events: &[&InboundEvent]) -> BatchOutcome {
+    /// The ids among `too_old` an operator admitted late; `None` on shutdown.
+    async fn late_admitted(
+        &self,
+        too_old: &[(&Received, InboundEvent, chrono::DateTime<chrono::Utc>)],
+        shutdown: &CancellationToken,
+    ) -> Option<HashSet<Uuid>> {
+        if too_old.is_empty() {
+            return Some(HashSet::new());
+        }
+        let ids: Vec<Uuid> = too_old.iter().map(|(_, e, _)| e.event_id).collect();
+        let mut backoff = Backoff::new();
+        loop {
+            let found = async {
+                let mut uow = self.tm.begin().await?;
+                uow.processed_events().late_admitted(&self.settings.consumer.group_id, &ids).await
+            };
+            match found.await {
+                Ok(admitted) => return Some(admitted.into_iter().collect()),
+                Err(e) => {
+                    self.stats.transient_failures.inc_by(1);
+                    tracing::warn!(error = %e, "reading late admissions failed; retrying");
+                    if !backoff.wait(shutdown).await {
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// One unit of work over the batch. `dedup` says what records the events as applied.
+    async fn apply(&self, events: &[&InboundEvent], dedup: Dedup) -> BatchOutcome {
         // Store failures outside the handler are never blamed on an event: retried, never dead-lettered.
         let failed = |e: StoreError| {
             if !e.is_transient() {
@@ -572,9 +644,19 @@ impl Runner {
         let now = self.clock.now();
         let rows: Vec<ProcessedEvent> =
             events.iter().map(|e| ProcessedEvent { event_id: e.event_id, topic: e.topic.clone() }).collect();
-        let recorded = if self.settings.dedup {
+        let consumer = &self.settings.consumer.group_id;
+        let recorded = if dedup == Dedup::LateAdmission {
+            let mut admitted = Vec::new();
+            for row in &rows {
+                match uow.processed_events().apply_late_admission(consumer, row.event_id, now).await {
+                    Ok(true) => admitted.push(row.event_id),
+                    Ok(false) => {}
+                    Err(e) => return failed(e),
+                }
+            }
+            Ok(admitted)
+        } else if self.settings.dedup {
             let expires = self.settings.dedup_ttl.expires_at(now);
-            let consumer = &self.settings.consumer.group_id;
             uow.processed_events().record_new(consumer, &rows, now, expires).await
         } else {
             Ok(rows.iter().map(|r| r.event_id).collect())

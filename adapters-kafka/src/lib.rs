@@ -6,6 +6,7 @@
 pub mod admin;
 pub mod client;
 pub mod consumer;
+pub mod dlq;
 pub mod partitioner;
 pub mod probe;
 pub mod relay;

@@ -7,6 +7,7 @@
 
 pub mod cleanup;
 mod error;
+pub mod operations;
 mod repos;
 mod wakeup;
 

@@ -455,6 +455,35 @@ impl ProcessedEventRepository for PgUnitOfWork {
         .await
         .map_err(map_sqlx_error)
     }
+
+    async fn late_admitted(&mut self, consumer: &str, event_ids: &[Uuid]) -> Result<Vec<Uuid>, StoreError> {
+        sqlx::query_scalar!(
+            "SELECT event_id FROM late_admission WHERE consumer = $1 AND event_id = ANY($2)",
+            consumer,
+            event_ids,
+        )
+        .fetch_all(self.connection())
+        .await
+        .map_err(map_sqlx_error)
+    }
+
+    async fn apply_late_admission(
+        &mut self,
+        consumer: &str,
+        event_id: Uuid,
+        now: DateTime<Utc>,
+    ) -> Result<bool, StoreError> {
+        let applied = sqlx::query!(
+            "UPDATE late_admission SET applied_at = $3 WHERE consumer = $1 AND event_id = $2 AND applied_at IS NULL",
+            consumer,
+            event_id,
+            now,
+        )
+        .execute(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(applied.rows_affected() == 1)
+    }
 }
 
 /// Number of key shards of the outbox (`key_shard` in the migrations); also the most advisory locks all

@@ -32,7 +32,7 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
-fn parse_duration(s: &str) -> Result<Duration, String> {
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{e} (write durations like 48h, 30m, 500ms)"))
 }
 
@@ -90,6 +90,26 @@ pub struct KafkaArgs {
     pub topic_partitions: i32,
 }
 
+/// The order-event stream: its topic, dead-letter topic and consumer group (`idem serve`, `idem dlq`).
+#[derive(Debug, Clone, Args)]
+pub struct OrdersArgs {
+    /// Topic of incoming order events.
+    #[arg(long, env = "KAFKA_ORDERS_TOPIC", default_value = "orders")]
+    pub orders_topic: String,
+    /// Dead-letter topic of the order consumer (default: `<orders topic>.dlq`).
+    #[arg(long, env = "KAFKA_DLQ_TOPIC")]
+    pub dlq_topic: Option<String>,
+    /// Consumer group of the order-event consumer.
+    #[arg(long, env = "KAFKA_GROUP_ID", default_value = "payment-service")]
+    pub group_id: String,
+}
+
+impl OrdersArgs {
+    pub fn dlq_topic(&self) -> String {
+        self.dlq_topic.clone().unwrap_or_else(|| format!("{}.dlq", self.orders_topic))
+    }
+}
+
 /// Outbox relay settings.
 #[derive(Debug, Clone, Args)]
 pub struct RelayArgs {
@@ -139,15 +159,8 @@ pub struct ServeArgs {
     /// API keys: `merchant_a:key_a,merchant_b:key_b`.
     #[arg(long, env = "IDEM_API_KEYS", default_value = "", value_parser = ApiKeys::parse, hide_default_value = true, hide_env_values = true)]
     pub api_keys: ApiKeys,
-    /// Topic of incoming order events.
-    #[arg(long, env = "KAFKA_ORDERS_TOPIC", default_value = "orders")]
-    pub orders_topic: String,
-    /// Dead-letter topic of the order consumer (default: `<orders topic>.dlq`).
-    #[arg(long, env = "KAFKA_DLQ_TOPIC")]
-    pub dlq_topic: Option<String>,
-    /// Consumer group of the order-event consumer.
-    #[arg(long, env = "KAFKA_GROUP_ID", default_value = "payment-service")]
-    pub group_id: String,
+    #[command(flatten)]
+    pub orders: OrdersArgs,
     /// Most messages per consumer transaction (1 = one transaction per message).
     #[arg(long, env = "KAFKA_BATCH_SIZE", default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub batch_size: u32,
@@ -222,7 +235,7 @@ impl ServeArgs {
         if self.batch_timeout > Duration::from_secs(10) {
             return Err("KAFKA_BATCH_TIMEOUT must be at most 10s".into());
         }
-        let topics = [&self.orders_topic, &self.kafka.payments_topic];
+        let topics = [&self.orders.orders_topic, &self.kafka.payments_topic];
         if topics.iter().any(|t| {
             t.is_empty()
                 || t.len() > 249
@@ -230,14 +243,10 @@ impl ServeArgs {
         }) {
             return Err("topic names must be 1-249 characters of a-z, A-Z, 0-9, '.', '_' or '-'".into());
         }
-        if self.orders_topic == self.kafka.payments_topic {
+        if self.orders.orders_topic == self.kafka.payments_topic {
             return Err("KAFKA_ORDERS_TOPIC and KAFKA_PAYMENTS_TOPIC must differ".into());
         }
         Ok(())
-    }
-
-    pub fn dlq_topic(&self) -> String {
-        self.dlq_topic.clone().unwrap_or_else(|| format!("{}.dlq", self.orders_topic))
     }
 }
 

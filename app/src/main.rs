@@ -3,6 +3,7 @@
 
 mod config;
 mod demo;
+mod operate;
 mod ops;
 mod tasks;
 
@@ -26,7 +27,6 @@ use idem_ports::{Clock, IdGenerator, SystemClock, TransactionManager, UuidV7Gene
 use idem_postgres::DedupStorage;
 use idem_postgres::cleanup::{Cleaner, CleanupSettings, PartitionPolicy};
 use idem_postgres::{PgOutboxWakeup, PgStore, PoolSettings};
-use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tasks::TaskGroup;
 use tokio_util::sync::CancellationToken;
@@ -57,6 +57,15 @@ enum Command {
     Pay(Box<demo::PayArgs>),
     /// Run a scripted scenario against the running service and print what happened.
     Demo(Box<demo::DemoArgs>),
+    /// Dead letters of the order consumer: list, show, re-drive.
+    #[command(subcommand)]
+    Dlq(operate::DlqCommand),
+    /// Outbox rows that do not get published: list quarantined or stuck rows, retry them.
+    #[command(subcommand)]
+    Outbox(operate::OutboxCommand),
+    /// Idempotency keys: what was stored for a key.
+    #[command(subcommand)]
+    Keys(operate::KeysCommand),
 }
 
 #[derive(Debug, clap::Args)]
@@ -156,7 +165,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let admin_listener = tokio::net::TcpListener::bind(args.admin_addr)
         .await
         .with_context(|| format!("binding the admin listener {}", args.admin_addr))?;
-    let dlq_topic = args.dlq_topic();
+    let dlq_topic = args.orders.dlq_topic();
 
     let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
@@ -191,8 +200,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let api_keys = args.api_keys.clone().with_concurrency_limit(args.merchant_concurrency as usize);
     let api = idem_http::router_with_metrics(state, Arc::new(api_keys), layer, http_metrics);
     // Order-event consumer
-    let mut settings =
-        RunnerSettings::new(&args.kafka.kafka_brokers, &args.group_id, &args.orders_topic, args.dedup_ttl);
+    let mut settings = RunnerSettings::new(
+        &args.kafka.kafka_brokers,
+        &args.orders.group_id,
+        &args.orders.orders_topic,
+        args.dedup_ttl,
+    );
     settings.dlq_topic = dlq_topic.clone();
     settings.batch_size = args.batch_size as usize;
     settings.batch_timeout = args.batch_timeout;
@@ -211,7 +224,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     runner.stats().register(&mut registry);
     let token = shutdown.clone();
     let (brokers, partitions) = (args.kafka.kafka_brokers.clone(), args.kafka.topic_partitions);
-    let topics = [args.orders_topic.clone(), dlq_topic, args.kafka.payments_topic.clone()];
+    let topics = [args.orders.orders_topic.clone(), dlq_topic, args.kafka.payments_topic.clone()];
     // Kafka may be down at start: the API serves at once (payments wait in the outbox), topics are created
     // in the background, and the consumer starts once they exist.
     group.spawn("order consumer", async move {
@@ -238,13 +251,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     });
 
     // Operational endpoints, then serve everything
-    let outbox_backlog = Gauge::default();
-    registry.register("idem_outbox_backlog", "Unpublished outbox rows", outbox_backlog.clone());
+    let gauges = ops::Gauges::default();
+    gauges.register(&mut registry);
     let ops = ops::Ops {
         store: bg_store.clone(),
         broker: BrokerProbe::new(&args.kafka.kafka_brokers)?,
         registry: Arc::new(registry),
-        outbox_backlog,
+        gauges,
         cleanup: cleanup_stats,
     };
     // Gauges that need the database are refreshed in the background, never by a scrape.
@@ -291,7 +304,26 @@ async fn cleanup_once(args: CleanupArgs) -> anyhow::Result<()> {
     let store = connect(&args.db).await?;
     store.migrate().await.context("applying migrations")?;
     let settings = CleanupSettings { batch_size: args.batch_size, ..CleanupSettings::default() };
-    match Cleaner::new(store.clone(), settings).run_once(SystemClock.now()).await? {
+    let now = SystemClock.now();
+    let expired = store.expired_rows(now).await?;
+    let cleaner = Cleaner::new(store.clone(), settings);
+    let stats = cleaner.stats();
+    let deleted = move || -> u64 {
+        use idem_postgres::cleanup::{ExpiringTable, TableLabels};
+        ExpiringTable::ALL.iter().map(|t| stats.deleted.get_or_create(&TableLabels { table: t.name() }).get()).sum()
+    };
+    let mut progress = operate::Progress::new("deleting expired rows", Some(expired.max(0) as u64), 50_000);
+    let round = cleaner.run_once(now);
+    tokio::pin!(round);
+    let outcome = loop {
+        tokio::select! {
+            outcome = &mut round => break outcome?,
+            _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => progress.set(deleted()),
+        }
+    };
+    progress.set(deleted());
+    progress.finish();
+    match outcome {
         Some(report) => {
             for (table, n) in &report.deleted {
                 tracing::info!(table = table.name(), deleted = n, "expired rows deleted");
@@ -335,6 +367,9 @@ async fn main() -> ExitCode {
         Command::Cleanup(args) => cleanup_once(args).await,
         Command::Pay(args) => demo::pay(*args).await,
         Command::Demo(args) => demo::demo(*args).await,
+        Command::Dlq(command) => operate::dlq(command).await,
+        Command::Outbox(command) => operate::outbox(command).await,
+        Command::Keys(command) => operate::keys(command).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -373,7 +408,7 @@ mod tests {
         assert_eq!(args.http_addr.to_string(), "127.0.0.1:8080");
         assert_eq!(args.idempotency_ttl.ttl(), std::time::Duration::from_secs(48 * 3600));
         assert_eq!(args.dedup_ttl.ttl(), std::time::Duration::from_secs(72 * 3600));
-        assert_eq!(args.dlq_topic(), "orders.dlq");
+        assert_eq!(args.orders.dlq_topic(), "orders.dlq");
         let shown = format!("{args:?}");
         assert!(!shown.contains("secret") && !shown.contains("key_0123456789"), "{shown}");
     }

@@ -1,6 +1,7 @@
 //! Operational endpoints: liveness, readiness, Prometheus metrics.
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use axum::Router;
@@ -9,7 +10,6 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use idem_kafka::probe::BrokerProbe;
-use idem_ports::TransactionManager;
 use idem_postgres::PgStore;
 use idem_postgres::cleanup::{CleanupStats, refresh_dead_tuples};
 use prometheus_client::metrics::gauge::Gauge;
@@ -21,8 +21,42 @@ pub struct Ops {
     pub store: PgStore,
     pub broker: BrokerProbe,
     pub registry: Arc<Registry>,
-    pub outbox_backlog: Gauge,
+    pub gauges: Gauges,
     pub cleanup: Arc<CleanupStats>,
+}
+
+/// Gauges refreshed in the background (the alert rules in `ops/prometheus/` read them).
+#[derive(Clone, Default)]
+pub struct Gauges {
+    pub outbox_backlog: Gauge,
+    pub outbox_oldest_unpublished: Gauge<f64, AtomicU64>,
+    pub outbox_quarantined_rows: Gauge,
+    pub oldest_in_flight_claim: Gauge<f64, AtomicU64>,
+    pub broker_up: Gauge,
+    pub database_up: Gauge,
+}
+
+impl Gauges {
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register("idem_outbox_backlog", "Unpublished outbox rows", self.outbox_backlog.clone());
+        registry.register(
+            "idem_outbox_oldest_unpublished_seconds",
+            "Age of the oldest unpublished, not quarantined, outbox row (0 when none)",
+            self.outbox_oldest_unpublished.clone(),
+        );
+        registry.register(
+            "idem_outbox_quarantined_rows",
+            "Outbox rows quarantined and waiting for an operator (idem outbox list --quarantined)",
+            self.outbox_quarantined_rows.clone(),
+        );
+        registry.register(
+            "idem_idempotency_oldest_in_flight_seconds",
+            "Age of the oldest open transaction holding idempotency claims: a key in flight that long",
+            self.oldest_in_flight_claim.clone(),
+        );
+        registry.register("idem_broker_up", "1 when the Kafka broker answered the last probe", self.broker_up.clone());
+        registry.register("idem_database_up", "1 when the database answered the last probe", self.database_up.clone());
+    }
 }
 
 /// What the public listener serves besides the API: liveness only.
@@ -34,15 +68,18 @@ impl Ops {
     /// Refreshes the database-backed gauges every `every` until `shutdown`: a scrape only encodes.
     pub async fn refresh_until(&self, shutdown: tokio_util::sync::CancellationToken, every: Duration) {
         loop {
-            let refresh = async {
-                if let Ok(mut uow) = self.store.begin().await
-                    && let Ok(n) = uow.outbox().backlog().await
-                {
-                    self.outbox_backlog.set(n);
-                }
-                let _ = refresh_dead_tuples(&self.store, &self.cleanup).await;
+            let g = &self.gauges;
+            let database = async {
+                let health = self.store.health().await?;
+                g.outbox_backlog.set(health.outbox_backlog);
+                g.outbox_oldest_unpublished.set(health.oldest_unpublished_seconds);
+                g.outbox_quarantined_rows.set(health.quarantined_rows);
+                g.oldest_in_flight_claim.set(health.oldest_in_flight_claim_seconds);
+                refresh_dead_tuples(&self.store, &self.cleanup).await
             };
-            let _ = tokio::time::timeout(Duration::from_secs(5), refresh).await;
+            let ok = matches!(tokio::time::timeout(Duration::from_secs(5), database).await, Ok(Ok(())));
+            g.database_up.set(i64::from(ok));
+            g.broker_up.set(i64::from(self.broker.check(Duration::from_secs(2)).await.is_ok()));
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(every) => {}

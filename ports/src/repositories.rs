@@ -131,6 +131,20 @@ pub trait ProcessedEventRepository: Send {
     /// Whether `consumer` recorded `event_id`. A check outside the recording statement races with
     /// concurrent consumers; it exists for diagnostics and for measuring that naive shape, not for dedup.
     async fn is_processed(&mut self, consumer: &str, event_id: Uuid) -> Result<bool, StoreError>;
+
+    /// Which of `event_ids` an operator admitted for `consumer` although they are older than the dedup
+    /// window (`idem dlq redrive --admit-late`), applied already or not (an applied one is a duplicate).
+    async fn late_admitted(&mut self, consumer: &str, event_ids: &[Uuid]) -> Result<Vec<Uuid>, StoreError>;
+
+    /// Marks the late admission of `event_id` applied, in this unit of work; `false` if it was not
+    /// admitted or is already applied (a concurrent unit doing the same waits, then gets `false`). The
+    /// admission row stays: it is that event's dedup record.
+    async fn apply_late_admission(
+        &mut self,
+        consumer: &str,
+        event_id: Uuid,
+        now: DateTime<Utc>,
+    ) -> Result<bool, StoreError>;
 }
 
 /// The transactional outbox: messages written with the business change, published later by the relay.

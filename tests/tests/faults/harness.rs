@@ -77,6 +77,17 @@ impl Service {
         }
     }
 
+    #[allow(dead_code)] // used by the ops tests, which share this harness
+    /// `idem <args>` with this service's environment (database, broker, topics, group), run to the end.
+    pub fn idem(&self, args: &[&str]) -> anyhow::Result<std::process::Output> {
+        let mut cmd = Command::new(idem_bin());
+        cmd.args(args).env("RUST_LOG", "warn");
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        Ok(cmd.output()?)
+    }
+
     pub fn with_env(mut self, key: &str, value: &str) -> Self {
         self.env.retain(|(k, _)| k != key);
         self.env.push((key.to_owned(), value.to_owned()));

@@ -1,0 +1,247 @@
+//! What operators read and change by hand (`idem outbox`, `idem keys`, `idem dlq`) and the health gauges
+//! the service exports. Never on a request path.
+
+use chrono::{DateTime, Utc};
+use idem_ports::StoreError;
+use uuid::Uuid;
+
+use crate::PgStore;
+use crate::error::map_sqlx_error;
+
+/// Gauges read from the database in the background (`/metrics` only encodes them).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Health {
+    /// Unpublished outbox rows.
+    pub outbox_backlog: i64,
+    /// Age of the oldest unpublished, not quarantined, outbox row (0 when none).
+    pub oldest_unpublished_seconds: f64,
+    /// Quarantined outbox rows waiting for an operator.
+    pub quarantined_rows: i64,
+    /// Age of the oldest open transaction that wrote idempotency records: a key in flight that long
+    /// (0 when none).
+    pub oldest_in_flight_claim_seconds: f64,
+}
+
+/// An outbox row as an operator sees it (no payload).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutboxRow {
+    pub id: Uuid,
+    pub topic: String,
+    pub key: String,
+    pub event_type: String,
+    pub created_at: DateTime<Utc>,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    pub quarantined_at: Option<DateTime<Utc>>,
+}
+
+/// Which outbox rows to list.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum OutboxFilter {
+    /// Quarantined rows.
+    Quarantined,
+    /// Unpublished rows created before this time (stuck), quarantined or not.
+    UnpublishedBefore(DateTime<Utc>),
+}
+
+/// An idempotency record as an operator sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeyRecord {
+    pub scope: String,
+    pub key: String,
+    pub state: String,
+    /// SHA-256 of the request (method, route, canonical body).
+    pub fingerprint: Vec<u8>,
+    pub status_code: Option<i16>,
+    pub created_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+    pub response_body: Option<Vec<u8>>,
+}
+
+/// One re-driven dead letter.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Redrive {
+    pub dlq_topic: String,
+    pub dlq_partition: i32,
+    pub dlq_offset: i64,
+    pub event_id: Option<Uuid>,
+    pub source_topic: String,
+    pub reason: String,
+    pub by: String,
+    pub at: DateTime<Utc>,
+    /// Admitted although older than the dedup window (applied at most once).
+    pub admitted_late: bool,
+    /// The consumer group the admission is for.
+    pub consumer: String,
+}
+
+impl PgStore {
+    /// The health gauges, in one round trip.
+    pub async fn health(&self) -> Result<Health, StoreError> {
+        let row = sqlx::query!(
+            r#"SELECT
+                 (SELECT count(*) FROM outbox_message WHERE published_at IS NULL) AS "backlog!",
+                 (SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM outbox_message
+                   WHERE published_at IS NULL AND quarantined_at IS NULL) AS "oldest!",
+                 (SELECT count(*) FROM outbox_message
+                   WHERE published_at IS NULL AND quarantined_at IS NOT NULL) AS "quarantined!",
+                 (SELECT coalesce(extract(epoch FROM now() - min(a.xact_start)), 0)::float8
+                    FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                   WHERE l.relation = 'idempotency_record'::regclass AND l.mode = 'RowExclusiveLock'
+                     AND a.pid <> pg_backend_pid()) AS "in_flight!""#
+        )
+        .fetch_one(self.pool())
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(Health {
+            outbox_backlog: row.backlog,
+            oldest_unpublished_seconds: row.oldest,
+            quarantined_rows: row.quarantined,
+            oldest_in_flight_claim_seconds: row.in_flight,
+        })
+    }
+
+    /// Rows a cleanup round at `now` would delete (progress of `idem cleanup --once`).
+    pub async fn expired_rows(&self, now: DateTime<Utc>) -> Result<i64, StoreError> {
+        sqlx::query_scalar!(
+            r#"SELECT (SELECT count(*) FROM idempotency_record WHERE expires_at <= $1)
+                    + (SELECT count(*) FROM processed_event WHERE expires_at <= $1)
+                    + (SELECT count(*) FROM outbox_message WHERE expires_at <= $1 AND published_at IS NOT NULL)
+                    AS "n!""#,
+            now,
+        )
+        .fetch_one(self.pool())
+        .await
+        .map_err(map_sqlx_error)
+    }
+
+    /// Outbox rows matching `filter`, oldest first, at most `limit`.
+    pub async fn outbox_rows(&self, filter: OutboxFilter, limit: i64) -> Result<Vec<OutboxRow>, StoreError> {
+        let (quarantined_only, before) = match filter {
+            OutboxFilter::Quarantined => (true, None),
+            OutboxFilter::UnpublishedBefore(t) => (false, Some(t)),
+        };
+        sqlx::query_as!(
+            OutboxRow,
+            r#"SELECT id, topic, aggregateid AS key, type AS event_type, created_at, attempts, last_error, quarantined_at
+               FROM outbox_message
+               WHERE published_at IS NULL
+                 AND (NOT $1 OR quarantined_at IS NOT NULL)
+                 AND ($2::timestamptz IS NULL OR created_at < $2)
+               ORDER BY seq
+               LIMIT $3"#,
+            quarantined_only,
+            before,
+            limit,
+        )
+        .fetch_all(self.pool())
+        .await
+        .map_err(map_sqlx_error)
+    }
+
+    /// Releases quarantined or failing rows for new attempts (attempts reset, last error kept). Returns
+    /// the ids that were found unpublished; published or unknown ids are left out.
+    pub async fn retry_outbox(&self, ids: &[Uuid]) -> Result<Vec<Uuid>, StoreError> {
+        let released = sqlx::query_scalar!(
+            r#"UPDATE outbox_message SET quarantined_at = NULL, attempts = 0
+               WHERE id = ANY($1) AND published_at IS NULL
+               RETURNING id"#,
+            ids,
+        )
+        .fetch_all(self.pool())
+        .await
+        .map_err(map_sqlx_error)?;
+        if !released.is_empty() {
+            // wake the relays of every instance (they would also find the rows at their next poll)
+            let _ =
+                sqlx::query("SELECT pg_notify($1, 'operator')").bind(crate::OUTBOX_CHANNEL).execute(self.pool()).await;
+        }
+        Ok(released)
+    }
+
+    /// The idempotency record of (`scope`, `key`), expired or not.
+    pub async fn key_record(&self, scope: &str, key: &str) -> Result<Option<KeyRecord>, StoreError> {
+        sqlx::query_as!(
+            KeyRecord,
+            r#"SELECT scope, key, state, command_hash AS fingerprint, status_code, created_at, expires_at, response_body
+               FROM idempotency_record WHERE scope = $1 AND key = $2"#,
+            scope,
+            key,
+        )
+        .fetch_optional(self.pool())
+        .await
+        .map_err(map_sqlx_error)
+    }
+
+    /// Whether the dead letter at this position was re-driven already.
+    pub async fn redriven(&self, dlq_topic: &str, partition: i32, offset: i64) -> Result<bool, StoreError> {
+        sqlx::query_scalar!(
+            r#"SELECT EXISTS (SELECT 1 FROM dlq_redrive
+                WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = $3) AS "exists!""#,
+            dlq_topic,
+            partition,
+            offset,
+        )
+        .fetch_one(self.pool())
+        .await
+        .map_err(map_sqlx_error)
+    }
+
+    /// Records a re-drive (and, for a late admission, the admission the consumer will apply once), in one
+    /// transaction, before the message is produced again: `false` if it was re-driven already.
+    pub async fn record_redrive(&self, r: &Redrive) -> Result<bool, StoreError> {
+        let mut tx = self.pool().begin().await.map_err(map_sqlx_error)?;
+        let inserted = sqlx::query!(
+            r#"INSERT INTO dlq_redrive (dlq_topic, dlq_partition, dlq_offset, event_id, source_topic, reason,
+                                        redriven_by, redriven_at, admitted_late)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+               ON CONFLICT DO NOTHING"#,
+            r.dlq_topic,
+            r.dlq_partition,
+            r.dlq_offset,
+            r.event_id,
+            r.source_topic,
+            r.reason,
+            r.by,
+            r.at,
+            r.admitted_late,
+        )
+        .execute(&mut *tx)
+        .await
+        .map_err(map_sqlx_error)?;
+        if inserted.rows_affected() == 0 {
+            return Ok(false);
+        }
+        if r.admitted_late
+            && let Some(event_id) = r.event_id
+        {
+            sqlx::query!(
+                r#"INSERT INTO late_admission (consumer, event_id, admitted_by, admitted_at)
+                   VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING"#,
+                r.consumer,
+                event_id,
+                r.by,
+                r.at,
+            )
+            .execute(&mut *tx)
+            .await
+            .map_err(map_sqlx_error)?;
+        }
+        tx.commit().await.map_err(map_sqlx_error)?;
+        Ok(true)
+    }
+
+    /// Forgets a re-drive whose message could not be produced, so it can be tried again.
+    pub async fn forget_redrive(&self, dlq_topic: &str, partition: i32, offset: i64) -> Result<(), StoreError> {
+        sqlx::query!(
+            "DELETE FROM dlq_redrive WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = $3",
+            dlq_topic,
+            partition,
+            offset,
+        )
+        .execute(self.pool())
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(())
+    }
+}

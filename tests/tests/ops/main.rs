@@ -1,0 +1,313 @@
+//! Operating idem: the `idem dlq|outbox|keys|cleanup` subcommands driven against a running service, and
+//! the shipped alert rules and dashboard checked against what the service exports.
+
+#![allow(clippy::disallowed_methods)] // tests make their own ids and read the clock
+#![allow(clippy::print_stdout, clippy::unwrap_used)]
+
+#[allow(dead_code)]
+#[path = "../faults/harness.rs"]
+mod harness;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use harness::{API_KEY, Service, charge_request};
+use idem_tests::TestDb;
+use idem_tests::kafka::{eventually, produce, producer};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+fn ops_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../ops")
+}
+
+/// Runs `idem <args>` for `service` and parses its `--json` output; fails with stderr when it fails.
+fn idem_json(service: &Service, args: &[&str]) -> anyhow::Result<Value> {
+    let mut args = args.to_vec();
+    args.push("--json");
+    let out = service.idem(&args)?;
+    anyhow::ensure!(
+        out.status.success(),
+        "idem {args:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+fn placed(order: Uuid, external: &str) -> String {
+    json!({
+        "type": "OrderPlaced", "order_id": order, "customer_id": Uuid::now_v7(), "amount": "10.00",
+        "currency": "EUR", "provider": "ops", "external_payment_id": external, "version": 1,
+    })
+    .to_string()
+}
+
+async fn payments_of(db: &TestDb, external: &str) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar("SELECT count(*) FROM payment WHERE external_payment_id = $1")
+        .bind(external)
+        .fetch_one(db.pool())
+        .await?)
+}
+
+/// Dead letters are listed with a summary by reason and shown with their provenance; an event older than
+/// the dedup window is re-driven only with `--admit-late`, then applied exactly once even when delivered
+/// again; every re-drive is recorded with who did it.
+#[tokio::test]
+async fn dead_letters_are_listed_shown_and_redriven_once() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&db.url, &brokers);
+    service.start().await?;
+    let p = producer(&brokers)?;
+    let topic = service.orders_topic.clone();
+    // one malformed body, one event 80 h old (DEDUP_TTL is 72 h)
+    let bad_id = Uuid::now_v7().to_string();
+    produce(&p, &topic, Some("k1"), b"{\"type\":", &[("event_id", bad_id.as_bytes())]).await?;
+    let old_id = idem_tests::v7_at(chrono::Utc::now() - chrono::Duration::hours(80));
+    let old_order = Uuid::now_v7();
+    let old_body = placed(old_order, "pi_ops_late");
+    let old_id_text = old_id.to_string();
+    let old_headers: [(&str, &[u8]); 1] = [("event_id", old_id_text.as_bytes())];
+    produce(&p, &topic, Some(&old_order.to_string()), old_body.as_bytes(), &old_headers).await?;
+
+    let listed = eventually(Duration::from_secs(60), || async {
+        Ok(idem_json(&service, &["dlq", "list"])?["total"].as_u64() == Some(2))
+    })
+    .await?;
+    assert!(listed, "two dead letters expected: {}", idem_json(&service, &["dlq", "list"])?);
+    let list = idem_json(&service, &["dlq", "list"])?;
+    let reasons: BTreeSet<&str> =
+        list["by_reason"].as_array().unwrap().iter().map(|r| r["reason"].as_str().unwrap()).collect();
+    assert_eq!(reasons, BTreeSet::from(["malformed", "older-than-dedup-window"]), "{list}");
+    let old = list["dead_letters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["reason"] == "older-than-dedup-window")
+        .unwrap()
+        .clone();
+    let position = old["position"].as_str().unwrap().to_owned();
+    assert_eq!(old["event_id"], json!(old_id.to_string()));
+    let filtered = idem_json(&service, &["dlq", "list", "--reason", "malformed"])?;
+    assert_eq!(filtered["total"], 1, "{filtered}");
+
+    let shown = idem_json(&service, &["dlq", "show", &position, "--payload"])?;
+    assert_eq!(shown["headers"]["dlq.original.topic"], json!(topic), "{shown}");
+    assert_eq!(shown["headers"]["dlq.consumer.group"], json!(service.group), "{shown}");
+    assert!(shown["headers"]["dlq.error"].as_str().unwrap().contains("admission floor"), "{shown}");
+    assert_eq!(shown["payload"], json!(old_body));
+
+    // without --admit-late the old event is not re-driven
+    let refused = idem_json(&service, &["dlq", "redrive", "--all-matching", "--reason", "older-than-dedup-window"])?;
+    assert_eq!(refused["redriven"].as_array().unwrap().len(), 0, "{refused}");
+    assert!(refused["skipped"][0]["why"].as_str().unwrap().contains("--admit-late"), "{refused}");
+
+    let done = idem_json(
+        &service,
+        &["dlq", "redrive", "--all-matching", "--reason", "older-than-dedup-window", "--admit-late", "--by", "alice"],
+    )?;
+    assert_eq!(done["redriven"].as_array().unwrap().len(), 1, "{done}");
+    let applied =
+        eventually(Duration::from_secs(30), || async { Ok(payments_of(&db, "pi_ops_late").await? == 1) }).await?;
+    assert!(applied, "the admitted event was never applied");
+
+    // the same dead letter again: refused; the same event delivered again: not applied twice
+    let again = idem_json(&service, &["dlq", "redrive", "--id", &position, "--admit-late"])?;
+    assert_eq!(again["skipped"][0]["why"], "re-driven already", "{again}");
+    produce(&p, &topic, Some(&old_order.to_string()), old_body.as_bytes(), &old_headers).await?;
+    let marker = Uuid::now_v7();
+    let (marker_body, marker_id) = (placed(marker, "pi_ops_marker"), Uuid::now_v7().to_string());
+    produce(&p, &topic, Some(&marker.to_string()), marker_body.as_bytes(), &[("event_id", marker_id.as_bytes())])
+        .await?;
+    let behind =
+        eventually(Duration::from_secs(30), || async { Ok(payments_of(&db, "pi_ops_marker").await? == 1) }).await?;
+    assert!(behind, "the consumer stopped");
+    assert_eq!(payments_of(&db, "pi_ops_late").await?, 1, "a late-admitted event was applied twice");
+
+    let (by, late): (String, bool) =
+        sqlx::query_as("SELECT redriven_by, admitted_late FROM dlq_redrive WHERE event_id = $1")
+            .bind(old_id)
+            .fetch_one(db.pool())
+            .await?;
+    assert_eq!((by.as_str(), late), ("alice", true));
+    Ok(())
+}
+
+/// A poison row is listed as quarantined with its attempts and error; `retry` releases it.
+#[tokio::test]
+async fn quarantined_outbox_rows_are_listed_and_retried() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&db.url, &brokers);
+    service.start().await?;
+    let poison = Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, headers, created_at)
+         VALUES ($1, $2, 'payment', 'poison', 'PaymentCaptured', $3, '{}', now())",
+    )
+    .bind(poison)
+    .bind(&service.payments_topic)
+    .bind(json!({ "blob": "x".repeat(2 << 20) }))
+    .execute(db.pool())
+    .await?;
+    let quarantined = eventually(Duration::from_secs(30), || async {
+        Ok(idem_json(&service, &["outbox", "list", "--quarantined"])?.as_array().is_some_and(|a| !a.is_empty()))
+    })
+    .await?;
+    assert!(quarantined, "the poison row was never listed as quarantined");
+    let rows = idem_json(&service, &["outbox", "list", "--quarantined"])?;
+    assert_eq!(rows[0]["id"], json!(poison.to_string()), "{rows}");
+    assert!(rows[0]["attempts"].as_i64().unwrap() >= 1 && rows[0]["last_error"].as_str().is_some(), "{rows}");
+    let stuck = idem_json(&service, &["outbox", "list", "--stuck-for", "0s"])?;
+    assert!(stuck.as_array().unwrap().iter().any(|r| r["id"] == json!(poison.to_string())), "{stuck}");
+
+    let retried = idem_json(&service, &["outbox", "retry", &poison.to_string()])?;
+    assert_eq!(retried["released"], json!([poison.to_string()]), "{retried}");
+    let requarantined = eventually(Duration::from_secs(30), || async {
+        let n: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE id = $1 AND quarantined_at IS NOT NULL")
+                .bind(poison)
+                .fetch_one(db.pool())
+                .await?;
+        Ok(n == 1)
+    })
+    .await?;
+    assert!(requarantined, "the released row was not attempted again");
+    // an unknown id is reported and fails the command
+    let out = service.idem(&["outbox", "retry", &Uuid::now_v7().to_string()])?;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("not found or already published"));
+    Ok(())
+}
+
+/// `keys show` prints what was stored for a key; the body only when asked.
+#[tokio::test]
+async fn a_key_shows_its_state_fingerprint_and_times() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&db.url, &brokers);
+    service.start().await?;
+    let key = idem_http::client::IdemClient::new_key();
+    let reply = service.client().charge(&key, &charge_request("pi_ops_key")).await?;
+    assert_eq!(reply.status, 201);
+    let shown = idem_json(&service, &["keys", "show", "--merchant", "faults", "--key", &key])?;
+    assert_eq!(shown["state"], "completed", "{shown}");
+    assert_eq!(shown["status_code"], 201);
+    assert_eq!(shown["fingerprint_sha256"].as_str().unwrap().len(), 64);
+    assert_eq!(shown["expired"], false);
+    assert!(shown.get("body").is_none(), "the body is shown only with --body");
+    let created = chrono::DateTime::parse_from_rfc3339(shown["created_at"].as_str().unwrap())?;
+    let expires = chrono::DateTime::parse_from_rfc3339(shown["expires_at"].as_str().unwrap())?;
+    assert_eq!(expires - created, chrono::Duration::hours(48), "IDEMPOTENCY_TTL default");
+    let with_body = idem_json(&service, &["keys", "show", "--merchant", "faults", "--key", &key, "--body"])?;
+    assert!(with_body["body"].as_str().unwrap().contains(reply.body["id"].as_str().unwrap()));
+    // another merchant's view of the key: nothing
+    let out = service.idem(&["keys", "show", "--merchant", "other", "--key", &key])?;
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("no idempotency record"));
+    let table = service.idem(&["keys", "show", "--merchant", "faults", "--key", &key])?;
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.contains("FIELD") && text.contains("completed"), "{text}");
+    let _ = API_KEY;
+    Ok(())
+}
+
+/// `cleanup --once` on a large table reports progress as plain lines when not on a terminal.
+#[tokio::test]
+async fn cleanup_once_reports_progress() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let service = Service::new(&db.url, &brokers);
+    db.store.migrate().await?;
+    sqlx::query(
+        "INSERT INTO processed_event (consumer_name, event_id, topic, created_at, expires_at)
+         SELECT 'g', gen_random_uuid(), 't', now() - interval '4 days', now() - interval '1 day'
+         FROM generate_series(1, 120000)",
+    )
+    .execute(db.pool())
+    .await?;
+    let out = service.idem(&["cleanup", "--once", "--batch-size", "5000"])?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("deleting expired rows: 120000 done"), "{stderr}");
+    assert_eq!(db.count("processed_event").await?, 0);
+    Ok(())
+}
+
+/// The shipped alert rules pass `promtool check rules` and their unit tests (`promtool test rules`).
+#[test]
+fn alert_rules_pass_promtool() {
+    let dir = ops_dir().join("prometheus");
+    for args in [vec!["check", "rules", "alerts.yml"], vec!["test", "rules", "alerts_test.yml"]] {
+        let out = std::process::Command::new("promtool")
+            .args(&args)
+            .current_dir(&dir)
+            .output()
+            .expect("promtool is installed by scripts/services.sh");
+        assert!(
+            out.status.success(),
+            "promtool {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // every alert has a unit test
+    let rules = std::fs::read_to_string(dir.join("alerts.yml")).unwrap();
+    let tests = std::fs::read_to_string(dir.join("alerts_test.yml")).unwrap();
+    for alert in rules.lines().filter_map(|l| l.trim().strip_prefix("- alert: ")) {
+        assert!(tests.contains(&format!("alertname: {alert}")), "alert {alert} has no unit test");
+    }
+}
+
+/// Every metric the rules and the dashboard name is exported by the service.
+#[tokio::test]
+async fn every_metric_in_the_rules_and_dashboard_exists() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&db.url, &brokers);
+    service.start().await?;
+    let text = reqwest::get(format!("{}/metrics", service.admin)).await?.text().await?;
+    let mut exported = BTreeSet::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let mut parts = rest.split_whitespace();
+            let (name, kind) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
+            exported.insert(name.to_owned());
+            match kind {
+                "counter" => {
+                    exported.insert(format!("{name}_total"));
+                }
+                "histogram" => {
+                    for suffix in ["_bucket", "_sum", "_count"] {
+                        exported.insert(format!("{name}{suffix}"));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    let sources = [
+        std::fs::read_to_string(ops_dir().join("prometheus/alerts.yml"))?,
+        std::fs::read_to_string(ops_dir().join("grafana/idem-dashboard.json"))?,
+    ];
+    let mut named = BTreeSet::new();
+    for source in &sources {
+        let bytes = source.as_bytes();
+        let mut i = 0;
+        while let Some(at) = source[i..].find("idem_") {
+            let start = i + at;
+            let end = start
+                + bytes[start..]
+                    .iter()
+                    .take_while(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || **b == b'_')
+                    .count();
+            named.insert(source[start..end].to_owned());
+            i = end;
+        }
+    }
+    named.remove("idem_"); // prose, not a metric
+    assert!(named.len() >= 15, "rules and dashboard name {} metrics: {named:?}", named.len());
+    let missing: Vec<&String> = named.iter().filter(|n| !exported.contains(*n)).collect();
+    assert!(missing.is_empty(), "named in rules or dashboard but not exported: {missing:?}");
+    Ok(())
+}
