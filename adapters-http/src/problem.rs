@@ -28,10 +28,35 @@ pub enum ProblemKind {
     PaymentConflict,
     RefundExceedsCaptured,
     RefundNotAllowed,
+    AmountFinerThanCurrency,
     Internal,
 }
 
 impl ProblemKind {
+    /// Every kind (the API document lists their type URIs).
+    pub const ALL: [Self; 20] = [
+        Self::Unauthorized,
+        Self::IdempotencyKeyMissing,
+        Self::IdempotencyKeyInvalid,
+        Self::IdempotencyKeyReused,
+        Self::IdempotencyKeyExpired,
+        Self::RequestInFlight,
+        Self::StoreUnavailable,
+        Self::OutcomeUnknown,
+        Self::TooManyRequests,
+        Self::PayloadTooLarge,
+        Self::UnsupportedMediaType,
+        Self::MalformedJson,
+        Self::InvalidField,
+        Self::NotFound,
+        Self::MethodNotAllowed,
+        Self::PaymentConflict,
+        Self::RefundExceedsCaptured,
+        Self::RefundNotAllowed,
+        Self::AmountFinerThanCurrency,
+        Self::Internal,
+    ];
+
     /// The stable `type` URI.
     pub fn type_uri(self) -> &'static str {
         match self {
@@ -53,6 +78,7 @@ impl ProblemKind {
             Self::PaymentConflict => "urn:idem:problem:payment-conflict",
             Self::RefundExceedsCaptured => "urn:idem:problem:refund-exceeds-captured",
             Self::RefundNotAllowed => "urn:idem:problem:refund-not-allowed",
+            Self::AmountFinerThanCurrency => "urn:idem:problem:amount-finer-than-currency",
             Self::Internal => "urn:idem:problem:internal",
         }
     }
@@ -77,6 +103,7 @@ impl ProblemKind {
             Self::PaymentConflict => "A different payment already uses this provider payment id",
             Self::RefundExceedsCaptured => "Refund exceeds what is left to refund",
             Self::RefundNotAllowed => "Payment cannot be refunded",
+            Self::AmountFinerThanCurrency => "Amount is finer than the payment's currency allows",
             Self::Internal => "Internal error",
         }
     }

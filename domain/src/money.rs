@@ -109,12 +109,22 @@ impl Currency {
         if !bytes.iter().all(u8::is_ascii_uppercase) {
             return Err(MoneyError::MalformedCurrency);
         }
-        // Active codes of the ISO 4217 table (the iso_currency crate): superseded codes, funds and the
-        // special codes (precious metals, testing, "no currency"), which have no minor unit, are refused.
         match iso_currency::Currency::from_code(s) {
-            Some(c) if c.exponent().is_some() && c.is_superseded().is_none() && !c.is_fund() => Ok(Self(bytes)),
+            Some(c) if accepted(c) => Ok(Self(bytes)),
             _ => Err(MoneyError::UnknownCurrency(s.to_owned())),
         }
+    }
+
+    /// Every code [`Currency::parse`] accepts, with its minor units, in code order (the API document
+    /// lists them).
+    pub fn accepted_codes() -> Vec<(&'static str, u32)> {
+        use iso_currency::IntoEnumIterator;
+        let mut codes: Vec<(&'static str, u32)> = iso_currency::Currency::iter()
+            .filter(|c| accepted(*c))
+            .filter_map(|c| Some((c.code(), u32::from(c.exponent()?))))
+            .collect();
+        codes.sort_unstable();
+        codes
     }
 
     /// ISO 4217 minor units: the most decimal places an amount in this currency may have (JPY 0, EUR 2,
@@ -148,6 +158,12 @@ impl Money {
         check_minor_units(amount, currency)?;
         Ok(Self { amount, currency })
     }
+}
+
+/// Active codes of the ISO 4217 table (the iso_currency crate): superseded codes, funds and the special
+/// codes (precious metals, testing, "no currency"), which have no minor unit, are refused.
+fn accepted(c: iso_currency::Currency) -> bool {
+    c.exponent().is_some() && c.is_superseded().is_none() && !c.is_fund()
 }
 
 /// Whether `amount` fits `currency`'s minor unit (`12.345 EUR` does not; `12.340` does).

@@ -28,6 +28,11 @@ pub struct ChargeCommand {
     traceparent: Option<String>,
 }
 
+/// Longest provider name (printable ASCII, no spaces).
+pub const PROVIDER_MAX_LEN: usize = 64;
+/// Longest provider payment id (printable ASCII, no spaces).
+pub const EXTERNAL_PAYMENT_ID_MAX_LEN: usize = 255;
+
 fn reference(field: &'static str, value: &str, max: usize) -> Result<String, InvalidField> {
     if value.is_empty() || value.len() > max {
         return Err(InvalidField { field, reason: format!("must be 1 to {max} characters") });
@@ -58,8 +63,8 @@ impl ChargeCommand {
             merchant_id: reference("merchant_id", merchant_id, 64)?,
             order_id: non_nil("order_id", order_id)?,
             customer_id: non_nil("customer_id", customer_id)?,
-            provider: reference("provider", provider, 64)?,
-            external_payment_id: reference("external_payment_id", external_payment_id, 255)?,
+            provider: reference("provider", provider, PROVIDER_MAX_LEN)?,
+            external_payment_id: reference("external_payment_id", external_payment_id, EXTERNAL_PAYMENT_ID_MAX_LEN)?,
             money,
             saga_id: None,
             traceparent: None,

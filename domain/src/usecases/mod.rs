@@ -5,9 +5,12 @@ mod charge;
 mod order_events;
 mod refund;
 
-pub use charge::{ChargeCommand, ChargeError, ChargeOutcome, InvalidField, charge_payment, charge_payments};
+pub use charge::{
+    ChargeCommand, ChargeError, ChargeOutcome, EXTERNAL_PAYMENT_ID_MAX_LEN, InvalidField, PROVIDER_MAX_LEN,
+    charge_payment, charge_payments,
+};
 pub use order_events::{OrderEventHandler, REFUND_STEP};
-pub use refund::{RefundCommand, RefundError, refund_payment};
+pub use refund::{REFUND_REASON_MAX_CHARS, RefundCommand, RefundError, refund_payment, refund_reason};
 
 use idem_ports::{Clock, IdGenerator};
 

@@ -4,6 +4,17 @@ use thiserror::Error;
 use uuid::Uuid;
 
 use super::Env;
+
+/// Longest refund reason, in characters.
+pub const REFUND_REASON_MAX_CHARS: usize = 500;
+
+/// A refund reason as stored: at most [`REFUND_REASON_MAX_CHARS`] characters, no control characters.
+pub fn refund_reason(text: &str) -> Result<String, &'static str> {
+    if text.chars().count() > REFUND_REASON_MAX_CHARS || text.chars().any(char::is_control) {
+        return Err("must be a string of at most 500 characters without control characters");
+    }
+    Ok(text.to_owned())
+}
 use crate::money::Amount;
 use crate::money::format_amount;
 use crate::payment::{RefundRuleError, plan_refund};

@@ -271,7 +271,7 @@ async fn refunds_and_reads() -> anyhow::Result<()> {
     let replay = api.post(&path, KEY_A, Some("rf-1"), r#"{"amount":"4.00","reason":"damaged"}"#).await?;
     assert_eq!(replay.body, r1.body);
     let too_much = api.post(&path, KEY_A, Some("rf-2"), r#"{"amount":"6.01"}"#).await?;
-    assert_eq!(too_much.status, 422);
+    assert_eq!(too_much.status, 409, "more than is left to refund conflicts with the payment's state");
     assert_eq!(too_much.problem_type(), "urn:idem:problem:refund-exceeds-captured");
     let rest = api.post(&path, KEY_A, Some("rf-3"), r#"{"amount":"6"}"#).await?;
     assert_eq!(rest.json()["payment_status"], "refunded");
@@ -573,7 +573,7 @@ async fn idempotency_metrics_move_when_things_happen() -> anyhow::Result<()> {
 #[tokio::test]
 async fn every_documented_api_operation_is_routed() -> anyhow::Result<()> {
     let api = spawn().await?;
-    let doc: Value = serde_json::from_str(idem_http::OPENAPI)?;
+    let doc: Value = idem_http::openapi::document();
     let paths = doc["paths"].as_object().expect("paths");
     let mut checked = 0;
     for (path, ops) in paths {
@@ -740,7 +740,9 @@ async fn amounts_respect_their_currency_minor_units() -> anyhow::Result<()> {
     assert_eq!(eur.json()["amount"], "12.30");
     let id = eur.json()["id"].as_str().unwrap_or_default().to_owned();
     let refund = api.post(&format!("/payments/{id}/refund"), KEY_A, Some("minor-r"), r#"{"amount":"0.001"}"#).await?;
-    assert_eq!(refund.status, 422);
+    // finer than this payment's currency: the refund conflicts with the payment, the request is well-formed
+    assert_eq!(refund.status, 409);
+    assert_eq!(refund.problem_type(), "urn:idem:problem:amount-finer-than-currency");
     assert_eq!(refund.json()["field"], "amount");
     Ok(())
 }
