@@ -152,10 +152,8 @@ impl IdemClient {
         Err(ClientError::Exhausted { attempts: self.policy.max_attempts, key: key.to_owned(), last })
     }
 
-    /// Exponential backoff with full jitter.
+    /// Exponential backoff with jitter (`idem_ports::Backoff`, the service's own schedule).
     fn backoff(&self, attempt: u32) -> Duration {
-        let cap = self.policy.base_delay.saturating_mul(1 << attempt.min(16)).min(self.policy.max_delay);
-        let ms = u64::try_from(cap.as_millis()).unwrap_or(u64::MAX).max(1);
-        Duration::from_millis(rand::random_range(ms / 2..=ms))
+        idem_ports::Backoff::new(self.policy.base_delay, self.policy.max_delay).nth(attempt)
     }
 }

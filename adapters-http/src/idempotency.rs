@@ -35,6 +35,7 @@ use tokio::sync::{Mutex, OwnedMutexGuard, watch};
 use tower::{Layer, Service};
 
 use crate::metrics::HttpMetrics;
+pub use crate::problem::Unexecuted;
 use crate::problem::{Problem, ProblemKind};
 
 /// The request header carrying the key.
@@ -256,11 +257,6 @@ where
         })
     }
 }
-
-/// Response extension set by a handler that rejected its input before executing anything: the layer
-/// rolls back and stores nothing, as for a 5xx, so the corrected request may reuse the key.
-#[derive(Debug, Clone, Copy)]
-pub struct Unexecuted;
 
 /// The unit of work handed to the handler (request extension). The layer keeps the other reference and
 /// takes the unit back after the handler returned.

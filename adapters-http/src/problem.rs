@@ -109,6 +109,11 @@ impl ProblemKind {
     }
 }
 
+/// Response extension set by a handler that rejected its input before executing anything: the
+/// idempotency layer rolls back and stores nothing, as for a 5xx, so the corrected request may reuse the key.
+#[derive(Debug, Clone, Copy)]
+pub struct Unexecuted;
+
 /// A problem response.
 #[derive(Debug, Clone, Serialize)]
 pub struct Problem {
@@ -204,7 +209,7 @@ impl IntoResponse for Problem {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         if self.unexecuted {
-            response.extensions_mut().insert(crate::idempotency::Unexecuted);
+            response.extensions_mut().insert(Unexecuted);
         }
         response
     }

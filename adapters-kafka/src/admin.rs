@@ -32,19 +32,21 @@ pub async fn ensure_topics_when_reachable(
     partitions: i32,
     shutdown: &tokio_util::sync::CancellationToken,
 ) -> bool {
-    let mut pause = Duration::from_secs(1);
+    let mut backoff = idem_ports::Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
     loop {
-        match ensure_topics(brokers, topics, partitions).await {
+        let pause = match ensure_topics(brokers, topics, partitions).await {
             Ok(()) => {
                 tracing::info!(?topics, "topics ready");
                 return true;
             }
-            Err(e) => tracing::warn!(error = %e, retry_in = ?pause, "cannot create or check topics; retrying"),
+            Err(e) => {
+                let pause = backoff.next_delay();
+                tracing::warn!(error = %e, retry_in = ?pause, "cannot create or check topics; retrying");
+                pause
+            }
+        };
+        if !crate::pause(pause, shutdown).await {
+            return false;
         }
-        tokio::select! {
-            _ = shutdown.cancelled() => return false,
-            _ = tokio::time::sleep(pause) => {}
-        }
-        pause = (pause * 2).min(Duration::from_secs(30));
     }
 }

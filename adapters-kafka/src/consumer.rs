@@ -827,25 +827,17 @@ impl Offsets {
     }
 }
 
-/// Exponential backoff with jitter, 50 ms to 5 s; cancellable.
-struct Backoff {
-    next: Duration,
-}
+/// The consumer's retry schedule: 50 ms doubling to 5 s, with jitter.
+struct Backoff(idem_ports::Backoff);
 
 impl Backoff {
     fn new() -> Self {
-        Self { next: Duration::from_millis(50) }
+        Self(idem_ports::Backoff::new(Duration::from_millis(50), Duration::from_secs(5)))
     }
 
     /// Sleeps; false when shutdown came first.
     async fn wait(&mut self, shutdown: &CancellationToken) -> bool {
-        let jitter = Duration::from_millis(rand::random_range(0..50));
-        let sleep = self.next + jitter;
-        self.next = (self.next * 2).min(Duration::from_secs(5));
-        tokio::select! {
-            _ = shutdown.cancelled() => false,
-            _ = tokio::time::sleep(sleep) => true,
-        }
+        crate::pause(self.0.next_delay(), shutdown).await
     }
 }
 

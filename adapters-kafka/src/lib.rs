@@ -12,3 +12,11 @@ pub mod probe;
 pub mod relay;
 
 pub use client::{ConsumerSettings, ProducerSettings};
+
+/// Sleeps `delay`; `false` when `shutdown` came first.
+pub(crate) async fn pause(delay: std::time::Duration, shutdown: &tokio_util::sync::CancellationToken) -> bool {
+    tokio::select! {
+        _ = shutdown.cancelled() => false,
+        _ = tokio::time::sleep(delay) => true,
+    }
+}

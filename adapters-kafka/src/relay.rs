@@ -183,14 +183,15 @@ impl Relay {
         notify: &watch::Sender<u64>,
         shutdown: &CancellationToken,
     ) -> Result<(), RelayError> {
-        let mut failures = 0u32;
+        // 100 ms doubling to 5 s between failed rounds
+        let mut backoff = idem_ports::Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let mut woken = notify.subscribe();
         while !shutdown.is_cancelled() {
             woken.mark_unchanged();
             let current = producer.read().await.clone();
             let pause = match self.round(&current).await {
                 Ok(round) if round.failed == 0 => {
-                    failures = 0;
+                    backoff.reset();
                     if round.claimed as i64 >= self.settings.batch_size {
                         continue; // more are waiting
                     }
@@ -209,7 +210,6 @@ impl Relay {
                         claimed = round.claimed,
                         "outbox round had undelivered messages; they stay unpublished"
                     );
-                    failures = failures.saturating_add(1);
                     // A producer session the broker rejected (fenced after timeouts) or a fatal producer
                     // error poisons the client for good: start a new producer session.
                     let fatal = current.client().fatal_error();
@@ -223,12 +223,11 @@ impl Relay {
                             }
                         }
                     }
-                    backoff(failures)
+                    backoff.next_delay()
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "outbox round failed; rows stay unpublished");
-                    failures = failures.saturating_add(1);
-                    backoff(failures)
+                    backoff.next_delay()
                 }
             };
             tokio::select! {
@@ -364,9 +363,4 @@ pub struct Round {
     pub failed: usize,
     /// A delivery failed with an error that ends the idempotent producer's session.
     pub session_broken: bool,
-}
-
-/// 100 ms, 200 ms, … up to 5 s.
-fn backoff(failures: u32) -> Duration {
-    Duration::from_millis(100u64.saturating_mul(1 << failures.min(6)).min(5_000))
 }

@@ -30,6 +30,6 @@ pub use repositories::{
     MockProjectionRepository, MockSagaStepRepository, MockTransactionManager,
     fake::{Ended, MockUnitOfWork},
 };
-pub use runtime::{Clock, IdGenerator, SystemClock, UuidV7Generator};
+pub use runtime::{Backoff, Clock, IdGenerator, SystemClock, UuidV7Generator};
 #[cfg(any(test, feature = "mocks"))]
 pub use runtime::{MockClock, MockIdGenerator};
