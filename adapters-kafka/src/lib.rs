@@ -1,6 +1,6 @@
 //! Kafka adapter (rdkafka): the deduplicating consumer runner and the transactional-outbox relay.
 //!
-//! API boundary: [`consumer::run_consumer`] drives any [`idem_ports::EventHandler`]; [`relay::run_relay`]
+//! API boundary: [`consumer::Runner`] drives any [`idem_ports::EventHandler`]; [`relay::Relay`]
 //! publishes `outbox_message` rows. rdkafka types stay inside this crate.
 
 pub mod admin;

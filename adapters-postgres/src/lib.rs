@@ -111,12 +111,34 @@ impl PgStore {
         &self.pool
     }
 
-    /// Applies pending migrations, on a connection of their own without the sessions' statement timeout
-    /// (an index build may take longer); the connection is closed afterwards, never returned to the pool.
+    /// Applies idem's pending migrations, on a connection of their own without the sessions' statement
+    /// timeout (an index build may take longer); the connection is closed afterwards, never returned to
+    /// the pool. Migrations an application recorded in the same `_sqlx_migrations` table are left alone.
     pub async fn migrate(&self) -> Result<(), StoreError> {
+        self.migrate_with(None).await
+    }
+
+    /// Applies idem's migrations and then the application's (`sqlx::migrate!("./migrations")`), both
+    /// recorded in the database's `_sqlx_migrations` table: idem's tables install beside the
+    /// application's own. Application versions must not reuse idem's (which are dated `2026120…`); each
+    /// migrator ignores the other's entries.
+    pub async fn migrate_with(&self, application: Option<&sqlx::migrate::Migrator>) -> Result<(), StoreError> {
         let mut conn = self.pool.acquire().await.map_err(map_sqlx_error)?;
         sqlx::query("SET statement_timeout = 0").execute(&mut *conn).await.map_err(map_sqlx_error)?;
-        let result = MIGRATOR.run(&mut *conn).await.map_err(|e| StoreError::Other(format!("migration failed: {e}")));
+        let mut result = Ok(());
+        for migrations in std::iter::once(&*MIGRATOR.migrations).chain(application.map(|m| &*m.migrations)) {
+            let mut migrator = sqlx::migrate::Migrator {
+                migrations: std::borrow::Cow::Owned(migrations.to_vec()),
+                ignore_missing: true,
+                locking: true,
+                no_tx: false,
+            };
+            migrator.set_ignore_missing(true);
+            result = migrator.run(&mut *conn).await.map_err(|e| StoreError::Other(format!("migration failed: {e}")));
+            if result.is_err() {
+                break;
+            }
+        }
         drop(conn.detach());
         result
     }
@@ -159,9 +181,20 @@ pub struct PgUnitOfWork {
 }
 
 impl PgUnitOfWork {
-    /// The connection of this transaction, for adapter-internal queries.
+    /// The open transaction's connection: run the application's own sqlx queries (`query!`, `query_as!`,
+    /// …) on it. They commit or roll back together with idem's bookkeeping in this unit (idempotency
+    /// record, processed-event row, outbox rows).
     pub fn connection(&mut self) -> &mut sqlx::PgConnection {
         &mut self.tx
+    }
+
+    /// The PostgreSQL unit of work behind `uow` — the one idem's idempotency layer (`Tx::uow`) or consumer
+    /// runner (`EventHandler::handle`) hands the application. Fails only when `uow` comes from another
+    /// store.
+    pub fn of(uow: &mut dyn UnitOfWork) -> Result<&mut PgUnitOfWork, StoreError> {
+        uow.as_any_mut()
+            .downcast_mut::<PgUnitOfWork>()
+            .ok_or_else(|| StoreError::Other("the unit of work is not a PostgreSQL one".into()))
     }
 }
 
@@ -183,6 +216,9 @@ impl UnitOfWork for PgUnitOfWork {
         self
     }
     fn projections(&mut self) -> &mut dyn ProjectionRepository {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
     }
     async fn commit(self: Box<Self>) -> Result<(), StoreError> {

@@ -35,6 +35,11 @@ pub trait UnitOfWork: Send {
     fn saga_steps(&mut self) -> &mut dyn SagaStepRepository;
     fn projections(&mut self) -> &mut dyn ProjectionRepository;
 
+    /// The adapter's own unit of work, for the application's queries in this same transaction: the
+    /// PostgreSQL adapter's `PgUnitOfWork::of(uow)` downcasts through it and hands out the open
+    /// connection. A wrapper around another unit of work returns the inner one's.
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+
     /// Commits everything done through this unit. An error means nothing was committed, unless it is
     /// [`StoreError::Unavailable`] raised while the commit itself was in flight, in which case the outcome
     /// is unknown; idempotency keys and event ids make the retry safe either way.
@@ -276,6 +281,9 @@ pub mod fake {
         }
         fn projections(&mut self) -> &mut dyn ProjectionRepository {
             &mut self.projections
+        }
+        fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+            self
         }
         async fn commit(self: Box<Self>) -> Result<(), StoreError> {
             *self.ended.lock().map_err(|e| StoreError::Other(e.to_string()))? = Ended::Committed;

@@ -61,3 +61,12 @@ fn no_adapter_depends_on_another_adapter() {
         assert!(!deps.contains("idem-app"), "{a} must not depend on idem-app");
     }
 }
+
+#[test]
+fn the_ledger_service_uses_only_the_toolkits_public_crates() {
+    let deps = dependency_tree("idem-ledger");
+    for used in ["idem-ports", "idem-postgres", "idem-http"] {
+        assert!(deps.contains(used), "idem-ledger is built on {used}: {deps:?}");
+    }
+    assert!(!deps.contains("idem-app"), "idem-ledger must not depend on the reference service's binary");
+}

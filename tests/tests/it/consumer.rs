@@ -264,6 +264,9 @@ impl UnitOfWork for HangingUow {
     fn projections(&mut self) -> &mut dyn ProjectionRepository {
         self.inner.projections()
     }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self.inner.as_any_mut()
+    }
     async fn commit(self: Box<Self>) -> Result<(), StoreError> {
         self.inner.commit().await?;
         tokio::time::sleep(self.delay).await;

@@ -643,6 +643,9 @@ impl idem_ports::UnitOfWork for FaultyCommitUow {
     fn projections(&mut self) -> &mut dyn idem_ports::ProjectionRepository {
         self.inner.projections()
     }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self.inner.as_any_mut()
+    }
     async fn commit(self: Box<Self>) -> Result<(), idem_ports::StoreError> {
         tokio::time::sleep(self.delay).await;
         self.inner.commit().await?;

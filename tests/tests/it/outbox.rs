@@ -232,6 +232,9 @@ impl UnitOfWork for DyingUow {
     fn projections(&mut self) -> &mut dyn ProjectionRepository {
         self.0.projections()
     }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self.0.as_any_mut()
+    }
     async fn commit(self: Box<Self>) -> Result<(), StoreError> {
         std::future::pending::<()>().await;
         Ok(())
