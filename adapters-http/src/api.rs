@@ -15,7 +15,7 @@ use idem_domain::usecases::{
     refund_reason,
 };
 use idem_domain::{Amount, Currency, Money, MoneyError, RefundRuleError, format_amount};
-use idem_ports::{Clock, IdGenerator, PaymentRecord, RefundRecord, StoreError, TransactionManager};
+use idem_ports::{Clock, IdGenerator, PaymentRecord, PaymentsOf, RefundRecord, StoreError, TransactionManager};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use uuid::Uuid;
@@ -28,6 +28,8 @@ use crate::problem::{Problem, ProblemKind};
 #[derive(Clone)]
 pub struct ApiState {
     pub tm: Arc<dyn TransactionManager>,
+    /// The payment repositories in the unit of work the idempotency layer hands the handlers.
+    pub payments_of: PaymentsOf,
     pub clock: Arc<dyn Clock>,
     pub ids: Arc<dyn IdGenerator>,
     pub payments_topic: Arc<str>,
@@ -226,7 +228,7 @@ pub async fn charge(
     )
     .map_err(|e| invalid(e.field, e.reason))?
     .with_traceparent(traceparent(&headers));
-    match charge_payment(tx.uow(), state.env(), &cmd).await {
+    match charge_payment((state.payments_of)(tx.uow())?, state.env(), &cmd).await {
         Ok(ChargeOutcome::Created(p)) => {
             Ok(json_response(StatusCode::CREATED, &PaymentBody::from(&p), Some(format!("/payments/{}", p.id))))
         }
@@ -303,7 +305,7 @@ pub async fn refund(
         saga_id: None,
         traceparent: traceparent(&headers),
     };
-    match refund_payment(tx.uow(), state.env(), &cmd).await {
+    match refund_payment((state.payments_of)(tx.uow())?, state.env(), &cmd).await {
         Ok((refund, payment)) => Ok(json_response(
             StatusCode::CREATED,
             &refund_body(&refund, &payment),
@@ -337,7 +339,8 @@ pub async fn get_payment(
 ) -> Result<Response, ApiError> {
     let id = Uuid::try_parse(&id).map_err(|_| not_found())?;
     let mut uow = state.tm.begin().await?;
-    let payment = uow.payments().get(id).await?.filter(|p| *p.merchant_id == *merchant.0).ok_or_else(not_found)?;
+    let payments = (state.payments_of)(uow.as_mut())?.payments();
+    let payment = payments.get(id).await?.filter(|p| *p.merchant_id == *merchant.0).ok_or_else(not_found)?;
     drop(uow);
     Ok(json_response(StatusCode::OK, &PaymentBody::from(&payment), None))
 }

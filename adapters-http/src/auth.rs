@@ -1,4 +1,19 @@
 //! Bearer API keys mapped to merchants.
+//!
+//! # Capacity and tenants
+//!
+//! - Two pools: HTTP uses `DATABASE_MAX_CONNECTIONS`; the consumer, relay, cleaner and readiness use
+//!   `DATABASE_BACKGROUND_CONNECTIONS` — neither side can starve the other. Every session has
+//!   `statement_timeout` 30 s and `idle_in_transaction_session_timeout` 60 s (migrations run on a dedicated
+//!   connection without the statement timeout).
+//! - A duplicate of a key this process is executing waits in process (`InFlight` in `idempotency.rs`), holding
+//!   no connection, then claims in the database, which stays authoritative across instances.
+//! - Each merchant has at most `MERCHANT_CONCURRENCY` requests in progress; beyond that 429 problem+json with
+//!   `Retry-After` (`auth.rs`).
+//! - `UNIQUE (provider, external_payment_id)` is global (the second protection of money). A merchant that
+//!   presents another merchant's provider payment id gets the same generic 409 whatever the other payment
+//!   holds, and a `security_event="provider_payment_id_collision"` log line (merchants and provider, never
+//!   keys or amounts). Compensations from the orders topic only ever touch `ORDERS_MERCHANT_ID`'s payments.
 
 use std::collections::HashMap;
 use std::fmt;

@@ -15,6 +15,35 @@
 //!
 //! With [`IdempotencyLayer::transaction_only`] the layer skips steps 1–3 (no key needed) and just runs the
 //! handler in a unit of work: the "layer off" baseline.
+//!
+//! # Guarantees
+//!
+//!
+//! - **A duplicate never executes.** The claim row is uncommitted while the first request runs; PostgreSQL
+//!   makes a concurrent `INSERT … ON CONFLICT` on the same key wait for that transaction. When it commits, the
+//!   waiter sees the completed record and replays; when it rolls back, the waiter claims and executes; when
+//!   the wait exceeds `IDEMPOTENCY_WAIT`, the waiter answers 409 `request-in-flight` with `Retry-After: 1`.
+//! - **Crash safety.** There is no moment where a payment exists without its record or the reverse: they
+//!   commit together. A crash before the commit leaves nothing; the client's retry executes again.
+//! - **Keys are scoped.** The primary key is `(scope, key)`; merchant B's key `k` is a different row from
+//!   merchant A's `k`, so B can never replay A's response.
+//! - **Money is protected twice.** Even under a new key, `UNIQUE (provider, external_payment_id)` with
+//!   `INSERT … ON CONFLICT DO NOTHING` returns the existing payment (200) when the details match, 409
+//!   `payment-conflict` when they differ — never a second row, and never an aborted transaction.
+//! - **Expiry.** Records live `IDEMPOTENCY_TTL` (24–72 h, default 48 h): an expired record counts as absent
+//!   (checked in the claim statement itself), and the cleaner deletes them.
+//! - **Store down.** `BEGIN` failing answers 503 problem+json with `Retry-After`, nothing executed; every
+//!   answer the layer makes itself carries `Cache-Control: no-store`.
+//! - **Commit with an unknown outcome.** A failing COMMIT may have been applied: the answer is 503
+//!   `outcome-unknown` ("retry with the same key"), never "not executed"; the retry replays or executes.
+//! - **Keys that tell their age.** A UUID v7 key whose time is older than `IDEMPOTENCY_TTL` is refused with 422
+//!   `idempotency-key-expired` before anything runs (its record may be gone; AIP-155's `first_sent` rule).
+//! - **Refusals never burn a key.** Anything refused before the handler changed state — bad path parameter,
+//!   unknown payment, validation, media type, size, an amount finer than its currency's minor unit (ISO 4217
+//!   via the `iso_currency` crate) — rolls back and stores nothing.
+//!
+//! `IdempotencyLayer::transaction_only` runs the same handlers in a unit of work without keys: the baseline
+//! the benchmark compares against (`IDEMPOTENCY_LAYER=off`), never a production mode.
 
 use std::collections::HashMap;
 use std::convert::Infallible;

@@ -12,6 +12,55 @@
 //! dead-lettered, offsets untouched). A malformed event is dead-lettered at once; an event rejected by a
 //! business rule is retried and dead-lettered after `max_rejections` attempts. Either way the batch is
 //! re-applied without it, so one poison message never stalls its partition.
+//!
+//! # In detail
+//!
+//! `consumer::Runner` subscribes with `enable.auto.commit=false` and `enable.auto.offset.store=false`, and per
+//! batch (up to `KAFKA_BATCH_SIZE` messages or `KAFKA_BATCH_TIMEOUT`):
+//!
+//! 1. validates `event_id` (UUID v4/v7, non-nil) and `saga_id` headers; invalid → dead-letter list;
+//! 2. one unit of work: `INSERT INTO processed_event … SELECT FROM UNNEST … ORDER BY event_id ON CONFLICT DO
+//!    NOTHING RETURNING event_id` (one statement per batch; a fixed lock order so concurrent batches cannot
+//!    deadlock), then `EventHandler::handle_batch` for the first occurrence of each new id, in partition
+//!    order, then commit. A concurrent duplicate (a rebalance overlap) waits on the insert and sees the conflict;
+//! 3. dead letters go to `<topic>.dlq` with `dlq.reason`, `dlq.error`, `dlq.original.{topic,partition,offset}`,
+//!    `dlq.consumer.group`, `dlq.failed.at` and the original headers, key and payload, and are acknowledged;
+//! 4. only then the offsets (per partition, last + 1) are committed — only for partitions this member owns
+//!    now. On revocation the runner commits the revoked partitions' positions and forgets them; a batch that
+//!    straddled a revocation never commits the revoked partition (its new owner re-reads and dedups). Kafka's
+//!    classic group protocol accepts an offset commit from any current member for any partition, so committing
+//!    a stale map would move the owner's committed offset backwards (`consumer.rs`, `Offsets`; test
+//!    `committed_offsets_never_move_backwards_across_rebalances`).
+//!
+//! Malformed events (unparsable body, missing field, key ≠ order id) are dead-lettered at once; events a
+//! business rule refuses are retried `KAFKA_MAX_REJECTIONS` times, then dead-lettered; transient store errors
+//! roll back and retry the same batch with backoff and are never dead-lettered. Transient means connection
+//! loss, lock and statement timeouts, serialization failures, resource (53xxx), I/O (58xxx) and internal
+//! (XX000) errors (`adapters-postgres/src/error.rs`, `is_transient_sqlstate`). When a set-based statement of
+//! the whole batch fails, the batch is retried one event per transaction so a rejection lands on the event
+//! that caused it, never on a neighbour.
+//!
+//! **Admission floor.** An event whose UUID v7 id carries a time older than `DEDUP_TTL − 1 h`
+//! (`TtlPolicy::admission_floor`) is never applied: its dedup row may already be gone, so it goes to the
+//! dead-letter topic with reason `older-than-dedup-window`. Every admitted event's row outlives any later
+//! duplicate of it, so dropping dedup partitions by event time is safe; ids without a time (v4) are kept by
+//! processing time. The one exception is deliberate: an operator's `idem dlq redrive --admit-late` writes a
+//! `late_admission` row, and the consumer applies such an event in a transaction that marks the admission
+//! applied (`apply_late_admission`), so it is applied once and later copies count as duplicates.
+//!
+//! **Kafka outages.** Client errors from `recv()` (transport, all brokers down, timeouts, coordinator,
+//! rebalance) are logged, counted (`idem_consumer_kafka_errors`) and waited out with backoff; a consumer the
+//! client declares fatally broken is replaced. Only a configuration the client refuses at creation stops the
+//! runner. `idem serve` binds HTTP first, then creates topics and starts the consumer in the background,
+//! retrying, so payments are accepted (into the outbox) while Kafka is down, including after a restart. The batch is re-applied
+//! without the dead event, so a poison message never stalls its partition. Shutdown stops fetching, finishes or
+//! rolls back the batch in hand, commits the last offsets synchronously and leaves the group.
+//!
+//! The order handler keeps `order_projection`: an event applies only if its `version` is greater than the
+//! stored one (an upsert with `WHERE o.version < EXCLUDED.version`), so an older or repeated version changes
+//! nothing. `OrderPlaced` charges through the same `charge_payment` use case as HTTP; `OrderCancelled` runs
+//! the compensation as saga step `(saga_id, "refund-payment")` (`domain::saga`): claimed in the same unit, a
+//! repeat returns the recorded outcome.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;

@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_ports::{
-    IdempotencyRepository, OutboxRepository, PaymentRepository, ProcessedEventRepository, ProjectionRepository,
-    SagaStepRepository, StoreError, TransactionManager, UnitOfWork,
+    IdempotencyRepository, OutboxRepository, PaymentRepository, PaymentUnitOfWork, ProcessedEventRepository,
+    ProjectionRepository, SagaStepRepository, StoreError, TransactionManager, UnitOfWork,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Postgres, Transaction};
@@ -198,11 +198,23 @@ impl PgUnitOfWork {
     }
 }
 
-#[async_trait]
-impl UnitOfWork for PgUnitOfWork {
+impl PaymentUnitOfWork for PgUnitOfWork {
     fn payments(&mut self) -> &mut dyn PaymentRepository {
         self
     }
+    fn projections(&mut self) -> &mut dyn ProjectionRepository {
+        self
+    }
+}
+
+/// The payment service's repositories in the PostgreSQL unit of work idem's layer or runner began
+/// ([`idem_ports::PaymentsOf`]).
+pub fn payments_of(uow: &mut dyn UnitOfWork) -> Result<&mut dyn PaymentUnitOfWork, StoreError> {
+    Ok(PgUnitOfWork::of(uow)?)
+}
+
+#[async_trait]
+impl UnitOfWork for PgUnitOfWork {
     fn idempotency(&mut self) -> &mut dyn IdempotencyRepository {
         self
     }
@@ -213,9 +225,6 @@ impl UnitOfWork for PgUnitOfWork {
         self
     }
     fn saga_steps(&mut self) -> &mut dyn SagaStepRepository {
-        self
-    }
-    fn projections(&mut self) -> &mut dyn ProjectionRepository {
         self
     }
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {

@@ -180,6 +180,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // HTTP API
     let state = ApiState {
         tm: tm.clone(),
+        payments_of: idem_postgres::payments_of,
         clock: clock.clone(),
         ids: ids.clone(),
         payments_topic: args.kafka.payments_topic.as_str().into(),
@@ -218,6 +219,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ids: ids.clone(),
         payments_topic: args.kafka.payments_topic.clone(),
         merchant_id: args.orders_merchant_id.clone(),
+        payments_of: idem_postgres::payments_of,
     });
     let bg_tm: Arc<dyn TransactionManager> = Arc::new(bg_store.clone());
     let runner = Runner::new(settings, bg_tm, clock.clone(), handler);

@@ -22,6 +22,7 @@ fn handler() -> OrderEventHandler {
         ids: Arc::new(UuidV7Generator),
         payments_topic: "payments".into(),
         merchant_id: "m".into(),
+        payments_of: idem_ports::mock_payments_of,
     }
 }
 

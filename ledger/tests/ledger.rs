@@ -11,8 +11,8 @@ use async_trait::async_trait;
 use idem_domain::TtlPolicy;
 use idem_http::ApiKeys;
 use idem_ports::{
-    IdempotencyRepository, OutboxRepository, PaymentRepository, ProcessedEventRepository, ProjectionRepository,
-    SagaStepRepository, StoreError, SystemClock, TransactionManager, UnitOfWork,
+    IdempotencyRepository, OutboxRepository, ProcessedEventRepository, SagaStepRepository, StoreError, SystemClock,
+    TransactionManager, UnitOfWork,
 };
 use idem_tests::TestDb;
 use idem_tests::kafka::{create_topic, eventually, produce, producer, unique_topic};
@@ -147,9 +147,6 @@ impl TransactionManager for CommitDies {
 
 #[async_trait]
 impl UnitOfWork for DyingUow {
-    fn payments(&mut self) -> &mut dyn PaymentRepository {
-        self.inner.payments()
-    }
     fn idempotency(&mut self) -> &mut dyn IdempotencyRepository {
         self.inner.idempotency()
     }
@@ -161,9 +158,6 @@ impl UnitOfWork for DyingUow {
     }
     fn saga_steps(&mut self) -> &mut dyn SagaStepRepository {
         self.inner.saga_steps()
-    }
-    fn projections(&mut self) -> &mut dyn ProjectionRepository {
-        self.inner.projections()
     }
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self.inner.as_any_mut()

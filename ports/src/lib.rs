@@ -21,14 +21,14 @@ pub use records::{
     SagaStepClaim, StoredResponse,
 };
 pub use repositories::{
-    IdempotencyRepository, OutboxRepository, OutboxWakeup, PaymentRepository, ProcessedEventRepository,
-    ProjectionRepository, SagaStepRepository, TransactionManager, UnitOfWork,
+    IdempotencyRepository, OutboxRepository, OutboxWakeup, PaymentRepository, PaymentUnitOfWork, PaymentsOf,
+    ProcessedEventRepository, ProjectionRepository, SagaStepRepository, TransactionManager, UnitOfWork,
 };
 #[cfg(any(test, feature = "mocks"))]
 pub use repositories::{
     MockIdempotencyRepository, MockOutboxRepository, MockPaymentRepository, MockProcessedEventRepository,
     MockProjectionRepository, MockSagaStepRepository, MockTransactionManager,
-    fake::{Ended, MockUnitOfWork},
+    fake::{Ended, MockUnitOfWork, mock_payments_of},
 };
 pub use runtime::{Backoff, Clock, IdGenerator, SystemClock, UuidV7Generator};
 #[cfg(any(test, feature = "mocks"))]

@@ -28,12 +28,10 @@ pub trait TransactionManager: Send + Sync {
 /// an early return or a panic can never leave half of a unit applied.
 #[async_trait]
 pub trait UnitOfWork: Send {
-    fn payments(&mut self) -> &mut dyn PaymentRepository;
     fn idempotency(&mut self) -> &mut dyn IdempotencyRepository;
     fn processed_events(&mut self) -> &mut dyn ProcessedEventRepository;
     fn outbox(&mut self) -> &mut dyn OutboxRepository;
     fn saga_steps(&mut self) -> &mut dyn SagaStepRepository;
-    fn projections(&mut self) -> &mut dyn ProjectionRepository;
 
     /// The adapter's own unit of work, for the application's queries in this same transaction: the
     /// PostgreSQL adapter's `PgUnitOfWork::of(uow)` downcasts through it and hands out the open
@@ -48,6 +46,18 @@ pub trait UnitOfWork: Send {
     /// Rolls back explicitly (dropping does the same, without waiting for the server's answer).
     async fn rollback(self: Box<Self>) -> Result<(), StoreError>;
 }
+
+/// The reference payment service's own unit of work: idem's, plus the service's repositories. idem's
+/// library parts (layer, consumer runner, relay, cleaner) never use it; an application defines its own
+/// the same way, or runs its SQL on the adapter's transaction directly.
+pub trait PaymentUnitOfWork: UnitOfWork {
+    fn payments(&mut self) -> &mut dyn PaymentRepository;
+    fn projections(&mut self) -> &mut dyn ProjectionRepository;
+}
+
+/// How the payment service reaches its repositories from the unit of work idem's layer or consumer
+/// runner hands it (the store's adapter provides it, for example `idem_postgres::payments_of`).
+pub type PaymentsOf = for<'a> fn(&'a mut dyn UnitOfWork) -> Result<&'a mut dyn PaymentUnitOfWork, StoreError>;
 
 /// Payments and their refunds.
 #[cfg_attr(any(test, feature = "mocks"), mockall::automock)]
@@ -262,11 +272,25 @@ pub mod fake {
         }
     }
 
-    #[async_trait]
-    impl UnitOfWork for MockUnitOfWork {
+    impl PaymentUnitOfWork for MockUnitOfWork {
         fn payments(&mut self) -> &mut dyn PaymentRepository {
             &mut self.payments
         }
+        fn projections(&mut self) -> &mut dyn ProjectionRepository {
+            &mut self.projections
+        }
+    }
+
+    /// [`PaymentsOf`] for units of work that are [`MockUnitOfWork`]s.
+    pub fn mock_payments_of(uow: &mut dyn UnitOfWork) -> Result<&mut dyn PaymentUnitOfWork, StoreError> {
+        match uow.as_any_mut().downcast_mut::<MockUnitOfWork>() {
+            Some(mock) => Ok(mock),
+            None => Err(StoreError::Other("not a MockUnitOfWork".into())),
+        }
+    }
+
+    #[async_trait]
+    impl UnitOfWork for MockUnitOfWork {
         fn idempotency(&mut self) -> &mut dyn IdempotencyRepository {
             &mut self.idempotency
         }
@@ -278,9 +302,6 @@ pub mod fake {
         }
         fn saga_steps(&mut self) -> &mut dyn SagaStepRepository {
             &mut self.saga_steps
-        }
-        fn projections(&mut self) -> &mut dyn ProjectionRepository {
-            &mut self.projections
         }
         fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
             self

@@ -32,6 +32,7 @@ fn order_handler() -> OrderEventHandler {
         ids: Arc::new(UuidV7Generator),
         payments_topic: "payments".into(),
         merchant_id: "bench".into(),
+        payments_of: idem_postgres::payments_of,
     }
 }
 

@@ -1,4 +1,6 @@
-use idem_ports::{NewOutboxMessage, NewPayment, PaymentInsert, PaymentRecord, PaymentStatus, StoreError, UnitOfWork};
+use idem_ports::{
+    NewOutboxMessage, NewPayment, PaymentInsert, PaymentRecord, PaymentStatus, PaymentUnitOfWork, StoreError,
+};
 use serde_json::json;
 use thiserror::Error;
 use uuid::Uuid;
@@ -139,7 +141,7 @@ pub enum ChargeError {
 /// [`ChargeOutcome::AlreadyCharged`]; one with different details is [`ChargeError::DetailsDiffer`]. The
 /// duplicate check never raises a unique violation, so the surrounding transaction stays usable.
 pub async fn charge_payment(
-    uow: &mut dyn UnitOfWork,
+    uow: &mut dyn PaymentUnitOfWork,
     env: Env<'_>,
     cmd: &ChargeCommand,
 ) -> Result<ChargeOutcome, ChargeError> {
@@ -156,7 +158,7 @@ pub async fn charge_payment(
 /// lookup for the duplicates, one insert for the announcements. Returns one outcome per command, in
 /// order; the effects equal charging them one after the other.
 pub async fn charge_payments(
-    uow: &mut dyn UnitOfWork,
+    uow: &mut dyn PaymentUnitOfWork,
     env: Env<'_>,
     cmds: &[&ChargeCommand],
 ) -> Result<Vec<Result<ChargeOutcome, ChargeError>>, StoreError> {

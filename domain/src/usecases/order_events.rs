@@ -4,7 +4,9 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use idem_ports::{BatchError, Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, UnitOfWork};
+use idem_ports::{
+    BatchError, Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, PaymentUnitOfWork, PaymentsOf, UnitOfWork,
+};
 use serde::Deserialize;
 use serde_json::json;
 use uuid::Uuid;
@@ -46,6 +48,8 @@ pub struct OrderEventHandler {
     pub payments_topic: String,
     /// The merchant that payments created from order events belong to.
     pub merchant_id: String,
+    /// The payment repositories in the unit of work the consumer runner hands the handler.
+    pub payments_of: PaymentsOf,
 }
 
 impl std::fmt::Debug for OrderEventHandler {
@@ -158,7 +162,7 @@ impl OrderEventHandler {
         Ok(Parsed { order_id, version, action })
     }
 
-    async fn apply(&self, uow: &mut dyn UnitOfWork, event: Parsed) -> Result<(), HandlerError> {
+    async fn apply(&self, uow: &mut dyn PaymentUnitOfWork, event: Parsed) -> Result<(), HandlerError> {
         // Older or repeated versions are skipped: the projection never moves backwards or twice.
         let now = self.clock.now();
         if !uow.projections().apply_order_version(event.order_id, event.version, event.status(), now).await? {
@@ -197,13 +201,14 @@ fn charge_failure(e: ChargeError) -> HandlerError {
 impl EventHandler for OrderEventHandler {
     async fn handle(&self, uow: &mut dyn UnitOfWork, event: &InboundEvent) -> Result<(), HandlerError> {
         let parsed = self.parse(event)?;
-        self.apply(uow, parsed).await
+        self.apply((self.payments_of)(uow)?, parsed).await
     }
 
     /// Set-based when every event is an `OrderPlaced` of a distinct order (the common case): one statement
     /// for the projection, one for the payments, one for the announcements. Anything else (an order twice
     /// in the batch, a cancellation) runs event by event.
     async fn handle_batch(&self, uow: &mut dyn UnitOfWork, events: &[&InboundEvent]) -> Result<(), BatchError> {
+        let uow = (self.payments_of)(uow).map_err(|e| BatchError { index: 0, error: e.into() })?;
         let mut parsed = Vec::with_capacity(events.len());
         for (index, event) in events.iter().enumerate() {
             parsed.push(self.parse(event).map_err(|error| BatchError { index, error })?);
@@ -247,7 +252,7 @@ impl OrderEventHandler {
     /// HTTP merchants choose order ids freely, so an order id alone must never reach their payments.
     async fn compensate(
         &self,
-        uow: &mut dyn UnitOfWork,
+        uow: &mut dyn PaymentUnitOfWork,
         order_id: Uuid,
         saga_id: Uuid,
     ) -> Result<serde_json::Value, HandlerError> {
@@ -289,6 +294,7 @@ mod tests {
             ids: Arc::new(UuidV7Generator),
             payments_topic: "payments".into(),
             merchant_id: "orders".into(),
+            payments_of: idem_ports::mock_payments_of,
         }
     }
 

@@ -1,4 +1,4 @@
-use idem_ports::{NewOutboxMessage, NewRefund, PaymentRecord, RefundRecord, StoreError, UnitOfWork};
+use idem_ports::{NewOutboxMessage, NewRefund, PaymentRecord, PaymentUnitOfWork, RefundRecord, StoreError};
 use serde_json::json;
 use thiserror::Error;
 use uuid::Uuid;
@@ -49,7 +49,7 @@ pub enum RefundError {
 /// Refunds `cmd.amount` of a payment inside `uow`. The payment row is locked for the rest of the unit, so
 /// concurrent refunds of one payment are serialized and their sum can never exceed the captured amount.
 pub async fn refund_payment(
-    uow: &mut dyn UnitOfWork,
+    uow: &mut dyn PaymentUnitOfWork,
     env: Env<'_>,
     cmd: &RefundCommand,
 ) -> Result<(RefundRecord, PaymentRecord), RefundError> {

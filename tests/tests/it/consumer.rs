@@ -9,8 +9,8 @@ use idem_domain::TtlPolicy;
 use idem_domain::usecases::OrderEventHandler;
 use idem_kafka::consumer::{ConsumerStats, Runner, RunnerSettings};
 use idem_ports::{
-    IdempotencyRepository, OutboxRepository, PaymentRepository, ProcessedEventRepository, ProjectionRepository,
-    SagaStepRepository, StoreError, SystemClock, TransactionManager, UnitOfWork, UuidV7Generator,
+    IdempotencyRepository, OutboxRepository, ProcessedEventRepository, SagaStepRepository, StoreError, SystemClock,
+    TransactionManager, UnitOfWork, UuidV7Generator,
 };
 use idem_postgres::PgStore;
 use idem_tests::TestDb;
@@ -39,6 +39,7 @@ fn handler() -> Arc<OrderEventHandler> {
         ids: Arc::new(UuidV7Generator),
         payments_topic: "payments".into(),
         merchant_id: "orders".into(),
+        payments_of: idem_postgres::payments_of,
     })
 }
 
@@ -246,9 +247,6 @@ impl TransactionManager for HangAfterCommit {
 
 #[async_trait]
 impl UnitOfWork for HangingUow {
-    fn payments(&mut self) -> &mut dyn PaymentRepository {
-        self.inner.payments()
-    }
     fn idempotency(&mut self) -> &mut dyn IdempotencyRepository {
         self.inner.idempotency()
     }
@@ -260,9 +258,6 @@ impl UnitOfWork for HangingUow {
     }
     fn saga_steps(&mut self) -> &mut dyn SagaStepRepository {
         self.inner.saga_steps()
-    }
-    fn projections(&mut self) -> &mut dyn ProjectionRepository {
-        self.inner.projections()
     }
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self.inner.as_any_mut()
@@ -406,7 +401,7 @@ async fn an_order_cancellation_never_refunds_another_merchants_payment() -> anyh
     let cmd = ChargeCommand::new("merchant_a", order, Uuid::now_v7(), "stripe", "pi_http_a", money)
         .map_err(|e| anyhow::anyhow!("{}: {}", e.field, e.reason))?;
     let mut uow = db.store.begin().await?;
-    charge_payment(uow.as_mut(), env, &cmd).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    charge_payment(idem_postgres::payments_of(uow.as_mut())?, env, &cmd).await.map_err(|e| anyhow::anyhow!("{e}"))?;
     uow.commit().await?;
 
     let cancel = |version: i64| InboundEvent {

@@ -36,6 +36,7 @@ fn layer_config(conflict: StatusCode) -> IdempotencyConfig {
 
 fn api_state(store: &PgStore) -> ApiState {
     ApiState {
+        payments_of: idem_postgres::payments_of,
         tm: Arc::new(store.clone()),
         clock: Arc::new(SystemClock),
         ids: Arc::new(UuidV7Generator),
@@ -305,7 +306,7 @@ async fn handler_failure_after_insert_stores_nothing_and_retry_succeeds() -> any
                     .expect("valid");
             let (clock, ids) = (SystemClock, UuidV7Generator);
             let env = Env { clock: &clock as &dyn Clock, ids: &ids, payments_topic: "payments" };
-            let out = charge_payment(tx.uow(), env, &cmd).await;
+            let out = charge_payment(idem_postgres::payments_of(tx.uow()).expect("postgres"), env, &cmd).await;
             assert!(out.is_ok(), "insert worked inside the transaction");
             if flag.swap(false, Ordering::SeqCst) {
                 return (StatusCode::INTERNAL_SERVER_ERROR, "provider exploded").into_response();
@@ -625,9 +626,6 @@ impl TransactionManager for FaultyCommit {
 
 #[async_trait::async_trait]
 impl idem_ports::UnitOfWork for FaultyCommitUow {
-    fn payments(&mut self) -> &mut dyn idem_ports::PaymentRepository {
-        self.inner.payments()
-    }
     fn idempotency(&mut self) -> &mut dyn idem_ports::IdempotencyRepository {
         self.inner.idempotency()
     }
@@ -639,9 +637,6 @@ impl idem_ports::UnitOfWork for FaultyCommitUow {
     }
     fn saga_steps(&mut self) -> &mut dyn idem_ports::SagaStepRepository {
         self.inner.saga_steps()
-    }
-    fn projections(&mut self) -> &mut dyn idem_ports::ProjectionRepository {
-        self.inner.projections()
     }
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self.inner.as_any_mut()

@@ -13,8 +13,8 @@ use idem_kafka::consumer::{Runner, RunnerSettings};
 use idem_kafka::partitioner::partition_for_key;
 use idem_kafka::relay::{Relay, RelaySettings, RelayStats};
 use idem_ports::{
-    IdempotencyRepository, NewOutboxMessage, OutboxRepository, PaymentRepository, ProcessedEventRepository,
-    ProjectionRepository, SagaStepRepository, StoreError, SystemClock, TransactionManager, UnitOfWork, UuidV7Generator,
+    IdempotencyRepository, NewOutboxMessage, OutboxRepository, ProcessedEventRepository, SagaStepRepository,
+    StoreError, SystemClock, TransactionManager, UnitOfWork, UuidV7Generator,
 };
 use idem_postgres::{PgOutboxWakeup, PgStore};
 use idem_tests::TestDb;
@@ -214,9 +214,6 @@ impl TransactionManager for DieBeforeCommit {
 
 #[async_trait]
 impl UnitOfWork for DyingUow {
-    fn payments(&mut self) -> &mut dyn PaymentRepository {
-        self.0.payments()
-    }
     fn idempotency(&mut self) -> &mut dyn IdempotencyRepository {
         self.0.idempotency()
     }
@@ -228,9 +225,6 @@ impl UnitOfWork for DyingUow {
     }
     fn saga_steps(&mut self) -> &mut dyn SagaStepRepository {
         self.0.saga_steps()
-    }
-    fn projections(&mut self) -> &mut dyn ProjectionRepository {
-        self.0.projections()
     }
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self.0.as_any_mut()
@@ -294,6 +288,7 @@ async fn relay_killed_after_publish_republishes_the_same_event_ids_and_consumers
         ids: Arc::new(UuidV7Generator),
         payments_topic: "payments".into(),
         merchant_id: "orders".into(),
+        payments_of: idem_postgres::payments_of,
     });
     let runner = Runner::new(settings, Arc::new(db.store.clone()), Arc::new(SystemClock), handler);
     let stats = runner.stats();

@@ -34,7 +34,7 @@ async fn failure_after_business_insert_leaves_nothing_behind() -> anyhow::Result
     let db = TestDb::new().await?;
     {
         let mut uow = db.store.begin().await?;
-        uow.payments().insert(&new_payment("stripe", "pi_rollback")).await?;
+        idem_postgres::payments_of(uow.as_mut())?.payments().insert(&new_payment("stripe", "pi_rollback")).await?;
         let claim = IdempotencyClaim {
             scope: "merchant_a".into(),
             key: "k1".into(),
@@ -50,7 +50,7 @@ async fn failure_after_business_insert_leaves_nothing_behind() -> anyhow::Result
 
     // and an explicit rollback does the same
     let mut uow = db.store.begin().await?;
-    uow.payments().insert(&new_payment("stripe", "pi_rollback")).await?;
+    idem_postgres::payments_of(uow.as_mut())?.payments().insert(&new_payment("stripe", "pi_rollback")).await?;
     uow.rollback().await?;
     assert_eq!(db.count("payment").await?, 0);
     Ok(())
@@ -60,11 +60,15 @@ async fn failure_after_business_insert_leaves_nothing_behind() -> anyhow::Result
 async fn unique_violation_maps_to_the_port_error() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let mut uow = db.store.begin().await?;
-    uow.payments().insert(&new_payment("stripe", "pi_dup")).await?;
+    idem_postgres::payments_of(uow.as_mut())?.payments().insert(&new_payment("stripe", "pi_dup")).await?;
     uow.commit().await?;
 
     let mut uow = db.store.begin().await?;
-    let err = uow.payments().insert(&new_payment("stripe", "pi_dup")).await.expect_err("duplicate");
+    let err = idem_postgres::payments_of(uow.as_mut())?
+        .payments()
+        .insert(&new_payment("stripe", "pi_dup"))
+        .await
+        .expect_err("duplicate");
     match err {
         StoreError::UniqueViolation { constraint } => {
             assert_eq!(constraint, "payment_provider_external_id_key")
@@ -74,7 +78,7 @@ async fn unique_violation_maps_to_the_port_error() -> anyhow::Result<()> {
     drop(uow);
     // another provider with the same external id is a different payment
     let mut uow = db.store.begin().await?;
-    uow.payments().insert(&new_payment("adyen", "pi_dup")).await?;
+    idem_postgres::payments_of(uow.as_mut())?.payments().insert(&new_payment("adyen", "pi_dup")).await?;
     uow.commit().await?;
     assert_eq!(db.count("payment").await?, 2);
     Ok(())
@@ -96,7 +100,7 @@ async fn twenty_concurrent_charges_create_one_payment() -> anyhow::Result<()> {
             let env = Env { clock: &clock as &dyn Clock, ids: &ids as &dyn IdGenerator, payments_topic: "payments" };
             let mut uow = store.begin().await?;
             barrier.wait().await;
-            let out = charge_payment(uow.as_mut(), env, &cmd).await?;
+            let out = charge_payment(idem_postgres::payments_of(uow.as_mut())?, env, &cmd).await?;
             uow.commit().await?;
             anyhow::Ok(out)
         }));
@@ -217,10 +221,18 @@ async fn saga_steps_and_projection_versions() -> anyhow::Result<()> {
     );
 
     let order = Uuid::now_v7();
-    assert!(uow.projections().apply_order_version(order, 2, "placed", now).await?);
-    assert!(!uow.projections().apply_order_version(order, 1, "older", now).await?);
-    assert!(!uow.projections().apply_order_version(order, 2, "repeat", now).await?);
-    assert!(uow.projections().apply_order_version(order, 3, "cancelled", now).await?);
+    assert!(
+        idem_postgres::payments_of(uow.as_mut())?.projections().apply_order_version(order, 2, "placed", now).await?
+    );
+    assert!(
+        !idem_postgres::payments_of(uow.as_mut())?.projections().apply_order_version(order, 1, "older", now).await?
+    );
+    assert!(
+        !idem_postgres::payments_of(uow.as_mut())?.projections().apply_order_version(order, 2, "repeat", now).await?
+    );
+    assert!(
+        idem_postgres::payments_of(uow.as_mut())?.projections().apply_order_version(order, 3, "cancelled", now).await?
+    );
     uow.commit().await?;
     let (version, status): (i64, String) =
         sqlx::query_as("SELECT version, status FROM order_projection WHERE order_id = $1")
