@@ -7,7 +7,10 @@ pub enum StoreError {
     /// A uniqueness rule was violated. `constraint` is the name of the violated constraint, so callers can
     /// tell which rule (for example `payment_provider_external_id_key`).
     #[error("unique constraint {constraint} violated")]
-    UniqueViolation { constraint: String },
+    UniqueViolation {
+        /// The violated constraint's name.
+        constraint: String,
+    },
     /// The row the operation needs does not exist.
     #[error("not found")]
     NotFound,

@@ -26,7 +26,9 @@ pub enum HandlerError {
 #[derive(Debug, Error)]
 #[error("event {index} of the batch: {error}")]
 pub struct BatchError {
+    /// Position of the failed event in the batch.
     pub index: usize,
+    /// Why it failed.
     pub error: HandlerError,
 }
 

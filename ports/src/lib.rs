@@ -7,6 +7,8 @@
 //! The transaction is a value: [`TransactionManager::begin`] returns a [`UnitOfWork`], the repositories
 //! are reached through it, [`UnitOfWork::commit`] consumes it, and dropping it uncommitted rolls back.
 
+#![warn(missing_docs)]
+
 mod error;
 mod inbound;
 mod records;

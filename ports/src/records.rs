@@ -10,13 +10,18 @@ use uuid::Uuid;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PaymentStatus {
+    /// Created, not yet captured (not produced by the current use cases; kept for providers that authorize first).
     Pending,
+    /// Captured in full; refundable.
     Captured,
+    /// Part of the captured amount was refunded.
     PartiallyRefunded,
+    /// Refunded in full; nothing left to refund.
     Refunded,
 }
 
 impl PaymentStatus {
+    /// The stored text (`pending`, `captured`, …).
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Pending => "pending",
@@ -26,6 +31,7 @@ impl PaymentStatus {
         }
     }
 
+    /// Reads the stored text; `None` for anything else.
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
             "pending" => Self::Pending,
@@ -40,32 +46,52 @@ impl PaymentStatus {
 /// A payment to insert.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewPayment {
+    /// UUID v7 chosen by the caller (the payment id clients see).
     pub id: Uuid,
+    /// The merchant that owns the payment (the authenticated merchant, or the order stream's).
     pub merchant_id: String,
+    /// The order the payment belongs to; also the outbox key of its announcements.
     pub order_id: Uuid,
+    /// The paying customer.
     pub customer_id: Uuid,
+    /// Payment provider, 1–64 printable ASCII characters.
     pub provider: String,
+    /// The provider's payment id; `(provider, external_payment_id)` is unique across merchants.
     pub external_payment_id: String,
+    /// Positive, at most 4 decimals and no finer than the currency's minor unit.
     pub amount: Decimal,
+    /// ISO 4217 code.
     pub currency: String,
+    /// Initial status (`Captured` for charges).
     pub status: PaymentStatus,
+    /// When the use case created it (from the `Clock`).
     pub created_at: DateTime<Utc>,
 }
 
 /// A stored payment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PaymentRecord {
+    /// The payment id.
     pub id: Uuid,
+    /// The owning merchant.
     pub merchant_id: String,
+    /// The order the payment belongs to.
     pub order_id: Uuid,
+    /// The paying customer.
     pub customer_id: Uuid,
+    /// Payment provider.
     pub provider: String,
+    /// The provider's payment id.
     pub external_payment_id: String,
+    /// The captured amount (scale 4 as stored).
     pub amount: Decimal,
+    /// ISO 4217 code.
     pub currency: String,
+    /// Current status.
     pub status: PaymentStatus,
     /// Sum of all refunds so far; never above `amount`.
     pub refunded_amount: Decimal,
+    /// When the payment was created.
     pub created_at: DateTime<Utc>,
 }
 
@@ -81,20 +107,30 @@ pub enum PaymentInsert {
 /// A refund to insert.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewRefund {
+    /// UUID v7 chosen by the caller.
     pub id: Uuid,
+    /// The refunded payment.
     pub payment_id: Uuid,
+    /// Positive, no more than what is left to refund.
     pub amount: Decimal,
+    /// Free text (at most 500 characters, no control characters), if given.
     pub reason: Option<String>,
+    /// When the use case created it.
     pub created_at: DateTime<Utc>,
 }
 
 /// A stored refund.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RefundRecord {
+    /// The refund id.
     pub id: Uuid,
+    /// The refunded payment.
     pub payment_id: Uuid,
+    /// The refunded amount.
     pub amount: Decimal,
+    /// The reason given, if any.
     pub reason: Option<String>,
+    /// When the refund was created.
     pub created_at: DateTime<Utc>,
 }
 
@@ -102,40 +138,54 @@ pub struct RefundRecord {
 /// stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IdempotencyState {
+    /// The first request with the key is executing (its transaction holds the claim).
     InFlight,
+    /// The response is stored and is replayed to later requests with the key.
     Completed,
 }
 
 /// The response stored for replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
+    /// HTTP status of the first execution.
     pub status_code: u16,
     /// Headers to replay, already filtered through the replay allow-list, in order.
     pub headers: Vec<(String, String)>,
+    /// Body bytes, replayed byte for byte.
     pub body: Vec<u8>,
 }
 
 /// A stored idempotency record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdempotencyRecord {
+    /// Whose key it is (the merchant, for the payments API).
     pub scope: String,
+    /// The `Idempotency-Key` as the client sent it (bare form).
     pub key: String,
     /// SHA-256 of the request (method, route, canonical body).
     pub command_hash: [u8; 32],
+    /// Executing or completed.
     pub state: IdempotencyState,
     /// Present when `state` is `Completed`.
     pub response: Option<StoredResponse>,
+    /// When the key was claimed.
     pub created_at: DateTime<Utc>,
+    /// After this the record counts as absent and the cleaner deletes it.
     pub expires_at: DateTime<Utc>,
 }
 
 /// A claim on an idempotency key: the row written, in flight, inside the caller's transaction.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdempotencyClaim {
+    /// Whose key it is.
     pub scope: String,
+    /// The `Idempotency-Key`.
     pub key: String,
+    /// SHA-256 of the request (method, route, canonical body).
     pub command_hash: [u8; 32],
+    /// When the claim is made.
     pub created_at: DateTime<Utc>,
+    /// `created_at` plus the idempotency TTL.
     pub expires_at: DateTime<Utc>,
 }
 
@@ -154,6 +204,7 @@ pub enum ClaimOutcome {
 pub struct NewOutboxMessage {
     /// UUID v7, generated once when the row is written; sent as the `event_id` header on every publish.
     pub id: Uuid,
+    /// Topic to publish to.
     pub topic: String,
     /// Aggregate type, for example `payment` (Debezium's `aggregatetype`).
     pub aggregate_type: String,
@@ -161,17 +212,22 @@ pub struct NewOutboxMessage {
     pub aggregate_id: String,
     /// Event type, for example `PaymentCaptured`.
     pub event_type: String,
+    /// The message body (JSON).
     pub payload: serde_json::Value,
+    /// The saga this message belongs to, sent as the `saga_id` header.
     pub saga_id: Option<Uuid>,
     /// W3C `traceparent` of the request that wrote the row, when it had one.
     pub traceparent: Option<String>,
+    /// When the business transaction wrote it (commit-to-publish latency is measured from here).
     pub created_at: DateTime<Utc>,
 }
 
 /// An event to mark as processed by one consumer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProcessedEvent {
+    /// The event's `event_id` header.
     pub event_id: Uuid,
+    /// The topic it came from (kept for diagnostics).
     pub topic: String,
 }
 
@@ -187,8 +243,11 @@ pub enum SagaStepClaim {
 /// The projection of an order kept by the event handler.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OrderVersion {
+    /// The order.
     pub order_id: Uuid,
+    /// The highest version applied; older or equal versions change nothing.
     pub version: i64,
+    /// The order's status at that version.
     pub status: String,
 }
 
@@ -199,27 +258,39 @@ pub struct InboundEvent {
     pub event_id: Uuid,
     /// The `saga_id` header, when present.
     pub saga_id: Option<Uuid>,
+    /// Topic it was read from.
     pub topic: String,
+    /// Partition it was read from.
     pub partition: i32,
+    /// Its offset in that partition.
     pub offset: i64,
+    /// The message key, if any.
     pub key: Option<Vec<u8>>,
+    /// The raw message body.
     pub payload: Vec<u8>,
 }
 
 /// An unpublished outbox row claimed by a relay.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OutboxRecord {
+    /// The row id: the `event_id` of every publish of this row.
     pub id: Uuid,
+    /// Topic to publish to.
     pub topic: String,
+    /// Aggregate type (`aggregatetype`).
     pub aggregate_type: String,
     /// The message key.
     pub aggregate_id: String,
+    /// Event type, sent as the `event_type` header.
     pub event_type: String,
     /// The payload as JSON text, exactly as stored (published without re-serializing).
     pub payload: String,
     /// Extra headers stored with the row (for example `traceparent`).
     pub headers: Vec<(String, String)>,
+    /// The saga id, sent as the `saga_id` header.
     pub saga_id: Option<Uuid>,
+    /// When the business transaction wrote it.
     pub created_at: DateTime<Utc>,
+    /// Failed publish attempts so far (quarantined after a bound).
     pub attempts: i32,
 }

@@ -28,9 +28,13 @@ pub trait TransactionManager: Send + Sync {
 /// an early return or a panic can never leave half of a unit applied.
 #[async_trait]
 pub trait UnitOfWork: Send {
+    /// Idempotency records: claim, complete, read.
     fn idempotency(&mut self) -> &mut dyn IdempotencyRepository;
+    /// Processed-event rows of consumers (dedup by `event_id`).
     fn processed_events(&mut self) -> &mut dyn ProcessedEventRepository;
+    /// The transactional outbox.
     fn outbox(&mut self) -> &mut dyn OutboxRepository;
+    /// Saga steps, claimed once per `(saga_id, step)`.
     fn saga_steps(&mut self) -> &mut dyn SagaStepRepository;
 
     /// The adapter's own unit of work, for the application's queries in this same transaction: the
@@ -51,7 +55,9 @@ pub trait UnitOfWork: Send {
 /// library parts (layer, consumer runner, relay, cleaner) never use it; an application defines its own
 /// the same way, or runs its SQL on the adapter's transaction directly.
 pub trait PaymentUnitOfWork: UnitOfWork {
+    /// Payments and refunds.
     fn payments(&mut self) -> &mut dyn PaymentRepository;
+    /// The order projection.
     fn projections(&mut self) -> &mut dyn ProjectionRepository;
 }
 
@@ -166,6 +172,7 @@ pub trait ProcessedEventRepository: Send {
 #[cfg_attr(any(test, feature = "mocks"), mockall::automock)]
 #[async_trait]
 pub trait OutboxRepository: Send {
+    /// Writes one message; it is published after this unit commits.
     async fn enqueue(&mut self, message: &NewOutboxMessage) -> Result<(), StoreError>;
 
     /// Enqueues many messages in one statement.
@@ -248,21 +255,31 @@ pub mod fake {
     /// How a [`MockUnitOfWork`] ended.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
     pub enum Ended {
+        /// Neither committed nor rolled back yet.
         #[default]
         Open,
+        /// `commit` was called.
         Committed,
+        /// `rollback` was called.
         RolledBack,
     }
 
     /// A [`UnitOfWork`] whose repositories are mockall mocks.
     #[derive(Default)]
     pub struct MockUnitOfWork {
+        /// Expectations of `payments()`.
         pub payments: MockPaymentRepository,
+        /// Expectations of `idempotency()`.
         pub idempotency: MockIdempotencyRepository,
+        /// Expectations of `processed_events()`.
         pub processed_events: MockProcessedEventRepository,
+        /// Expectations of `outbox()`.
         pub outbox: MockOutboxRepository,
+        /// Expectations of `saga_steps()`.
         pub saga_steps: MockSagaStepRepository,
+        /// Expectations of `projections()`.
         pub projections: MockProjectionRepository,
+        /// How the unit ended (shared, so a test can read it after the unit was consumed).
         pub ended: Arc<Mutex<Ended>>,
     }
 

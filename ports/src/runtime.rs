@@ -4,6 +4,7 @@ use uuid::Uuid;
 /// The source of time. The domain never reads the wall clock itself.
 #[cfg_attr(any(test, feature = "mocks"), mockall::automock)]
 pub trait Clock: Send + Sync {
+    /// The current time.
     fn now(&self) -> DateTime<Utc>;
 }
 
@@ -11,6 +12,7 @@ pub trait Clock: Send + Sync {
 /// creation time can be read back from the id).
 #[cfg_attr(any(test, feature = "mocks"), mockall::automock)]
 pub trait IdGenerator: Send + Sync {
+    /// A new UUID v7.
     fn new_id(&self) -> Uuid;
 }
 
@@ -47,6 +49,7 @@ pub struct Backoff {
 }
 
 impl Backoff {
+    /// A schedule starting at `first`, doubling up to `max`.
     pub fn new(first: std::time::Duration, max: std::time::Duration) -> Self {
         Self { first, max, failures: 0 }
     }
