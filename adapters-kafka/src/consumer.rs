@@ -66,6 +66,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use idem_domain::wire::headers as wire;
 use idem_domain::{EventId, TtlPolicy};
 use idem_ports::{
     BatchError, Clock, EventHandler, HandlerError, InboundEvent, ProcessedEvent, StoreError, TransactionManager,
@@ -84,7 +85,7 @@ use uuid::Uuid;
 use crate::client::{ConsumerSettings, ProducerSettings, breaks_session};
 
 /// Header carrying the event id.
-pub const EVENT_ID_HEADER: &str = "event_id";
+pub const EVENT_ID_HEADER: &str = wire::EVENT_ID;
 /// Dead-letter reason of an event older than the dedup window (see `TtlPolicy::admission_floor`).
 pub const OLDER_THAN_DEDUP_WINDOW: &str = "older-than-dedup-window";
 
@@ -101,7 +102,7 @@ enum Dedup {
 }
 
 /// Header carrying the saga id.
-pub const SAGA_ID_HEADER: &str = "saga_id";
+pub const SAGA_ID_HEADER: &str = wire::SAGA_ID;
 
 /// Settings of one consumer.
 #[derive(Debug, Clone)]
@@ -754,13 +755,13 @@ impl Runner {
             headers = headers.insert(Header { key: k, value: Some(v) });
         }
         for (k, v) in [
-            ("dlq.reason", d.reason),
-            ("dlq.error", d.error.as_str()),
-            ("dlq.original.topic", m.topic.as_str()),
-            ("dlq.original.partition", partition.as_str()),
-            ("dlq.original.offset", offset.as_str()),
-            ("dlq.consumer.group", self.settings.consumer.group_id.as_str()),
-            ("dlq.failed.at", failed_at.as_str()),
+            (wire::dlq::REASON, d.reason),
+            (wire::dlq::ERROR, d.error.as_str()),
+            (wire::dlq::ORIGINAL_TOPIC, m.topic.as_str()),
+            (wire::dlq::ORIGINAL_PARTITION, partition.as_str()),
+            (wire::dlq::ORIGINAL_OFFSET, offset.as_str()),
+            (wire::dlq::CONSUMER_GROUP, self.settings.consumer.group_id.as_str()),
+            (wire::dlq::FAILED_AT, failed_at.as_str()),
         ] {
             headers = headers.insert(Header { key: k, value: Some(v.as_bytes()) });
         }

@@ -14,12 +14,14 @@ use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use uuid::Uuid;
 
+use idem_domain::wire::headers as wire;
+
 use crate::consumer::EVENT_ID_HEADER;
 
 /// Prefix of the provenance headers the consumer adds to a dead letter.
-pub const DLQ_HEADER_PREFIX: &str = "dlq.";
+pub const DLQ_HEADER_PREFIX: &str = wire::dlq::PREFIX;
 /// Header a re-driven message carries: the dead letter it came from (`topic/partition/offset`).
-pub const REDRIVEN_FROM_HEADER: &str = "idem.redriven-from";
+pub const REDRIVEN_FROM_HEADER: &str = wire::REDRIVEN_FROM;
 
 /// One message of the dead-letter topic.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,15 +40,15 @@ impl DeadLetterMessage {
     }
 
     pub fn reason(&self) -> String {
-        self.header("dlq.reason").unwrap_or_default()
+        self.header(wire::dlq::REASON).unwrap_or_default()
     }
 
     pub fn source_topic(&self) -> Option<String> {
-        self.header("dlq.original.topic")
+        self.header(wire::dlq::ORIGINAL_TOPIC)
     }
 
     pub fn failed_at(&self) -> Option<chrono::DateTime<chrono::Utc>> {
-        let at = self.header("dlq.failed.at")?;
+        let at = self.header(wire::dlq::FAILED_AT)?;
         chrono::DateTime::parse_from_rfc3339(&at).ok().map(|t| t.with_timezone(&chrono::Utc))
     }
 
@@ -55,7 +57,7 @@ impl DeadLetterMessage {
     }
 
     pub fn consumer_group(&self) -> Option<String> {
-        self.header("dlq.consumer.group")
+        self.header(wire::dlq::CONSUMER_GROUP)
     }
 
     /// The headers of the original message (provenance headers removed).

@@ -67,6 +67,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use idem_domain::wire::headers as wire;
 use idem_ports::{Clock, OutboxRecord, OutboxWakeup, StoreError, TransactionManager};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
@@ -177,12 +178,12 @@ fn record_headers(row: &OutboxRecord) -> OwnedHeaders {
     let id = row.id.to_string();
     let saga = row.saga_id.map(|s| s.to_string());
     let mut headers = OwnedHeaders::new()
-        .insert(Header { key: "event_id", value: Some(id.as_bytes()) })
-        .insert(Header { key: "event_type", value: Some(row.event_type.as_bytes()) })
-        .insert(Header { key: "aggregate_type", value: Some(row.aggregate_type.as_bytes()) })
-        .insert(Header { key: "content-type", value: Some(b"application/json".as_slice()) });
+        .insert(Header { key: wire::EVENT_ID, value: Some(id.as_bytes()) })
+        .insert(Header { key: wire::EVENT_TYPE, value: Some(row.event_type.as_bytes()) })
+        .insert(Header { key: wire::AGGREGATE_TYPE, value: Some(row.aggregate_type.as_bytes()) })
+        .insert(Header { key: wire::CONTENT_TYPE, value: Some(idem_domain::wire::JSON.as_bytes()) });
     if let Some(saga) = &saga {
-        headers = headers.insert(Header { key: "saga_id", value: Some(saga.as_bytes()) });
+        headers = headers.insert(Header { key: wire::SAGA_ID, value: Some(saga.as_bytes()) });
     }
     for (k, v) in &row.headers {
         headers = headers.insert(Header { key: k, value: Some(v.as_bytes()) });

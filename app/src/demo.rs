@@ -3,6 +3,7 @@
 //! These act as a client of the service, so they make their own ids.
 #![allow(clippy::disallowed_methods)]
 
+use idem_domain::wire::headers::{EVENT_ID, SAGA_ID};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -182,7 +183,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     .to_string();
     let event_id = Uuid::now_v7().to_string();
     for _ in 0..3 {
-        send(&producer, &args.orders_topic, &order.to_string(), &placed, &[("event_id", &event_id)]).await?;
+        send(&producer, &args.orders_topic, &order.to_string(), &placed, &[(EVENT_ID, &event_id)]).await?;
     }
     rows.push(Row {
         scenario: "Kafka event delivered 3 times (same event_id)",
@@ -195,7 +196,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let cancelled = json!({ "type": "OrderCancelled", "order_id": order, "version": 2 }).to_string();
     for _ in 0..2 {
         let id = Uuid::now_v7().to_string();
-        send(&producer, &args.orders_topic, &order.to_string(), &cancelled, &[("event_id", &id), ("saga_id", &saga)])
+        send(&producer, &args.orders_topic, &order.to_string(), &cancelled, &[(EVENT_ID, &id), (SAGA_ID, &saga)])
             .await?;
     }
     let refunds =

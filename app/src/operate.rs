@@ -387,7 +387,7 @@ async fn dlq_list(args: DlqListArgs) -> anyhow::Result<()> {
                 m.reason(),
                 m.source_topic().unwrap_or_default(),
                 m.event_id().map(|e| e.to_string()).unwrap_or_else(|| "-".into()),
-                short(&m.header("dlq.error").unwrap_or_default(), 60),
+                short(&m.header(idem_domain::wire::headers::dlq::ERROR).unwrap_or_default(), 60),
             ]
         })
         .collect();

@@ -12,6 +12,7 @@ pub mod payment;
 pub mod saga;
 pub mod ttl;
 pub mod usecases;
+pub mod wire;
 
 pub use events::{EventId, EventIdError, SagaStep, SagaStepError, uuid_v7_time};
 pub use idempotency::{Decision, Fingerprint, IdempotencyKey, IdempotencyKeyError, decide};

@@ -1,13 +1,11 @@
 use idem_ports::{
     NewOutboxMessage, NewPayment, PaymentInsert, PaymentRecord, PaymentStatus, PaymentUnitOfWork, StoreError,
 };
-use serde_json::json;
 use thiserror::Error;
 use uuid::Uuid;
 
 use super::Env;
 use crate::money::Money;
-use crate::money::format_amount;
 
 /// A field that failed validation, named as the API names it.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -217,16 +215,7 @@ fn captured_message(
         aggregate_type: "payment".into(),
         aggregate_id: payment.order_id.to_string(),
         event_type: "PaymentCaptured".into(),
-        payload: json!({
-            "type": "PaymentCaptured",
-            "payment_id": payment.id,
-            "order_id": payment.order_id,
-            "customer_id": payment.customer_id,
-            "provider": payment.provider,
-            "external_payment_id": payment.external_payment_id,
-            "amount": format_amount(payment.amount, &payment.currency),
-            "currency": payment.currency,
-        }),
+        payload: crate::wire::payment_captured(payment),
         saga_id: cmd.saga_id,
         traceparent: cmd.traceparent.clone(),
         created_at: now,

@@ -7,7 +7,6 @@ use async_trait::async_trait;
 use idem_ports::{
     BatchError, Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, PaymentUnitOfWork, PaymentsOf, UnitOfWork,
 };
-use serde::Deserialize;
 use serde_json::json;
 use uuid::Uuid;
 
@@ -22,23 +21,7 @@ use crate::saga::{StepStart, begin_step, finish_step};
 /// Name of the compensation step run for a cancelled order.
 pub const REFUND_STEP: &str = "refund-payment";
 
-#[derive(Debug, Deserialize)]
-#[serde(tag = "type")]
-enum OrderEvent {
-    OrderPlaced {
-        order_id: Uuid,
-        customer_id: Uuid,
-        amount: String,
-        currency: String,
-        provider: String,
-        external_payment_id: String,
-        version: i64,
-    },
-    OrderCancelled {
-        order_id: Uuid,
-        version: i64,
-    },
-}
+use crate::wire::OrderEvent;
 
 /// Handles `OrderPlaced` / `OrderCancelled` events.
 #[derive(Clone)]

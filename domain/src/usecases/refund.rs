@@ -1,5 +1,4 @@
 use idem_ports::{NewOutboxMessage, NewRefund, PaymentRecord, PaymentUnitOfWork, RefundRecord, StoreError};
-use serde_json::json;
 use thiserror::Error;
 use uuid::Uuid;
 
@@ -16,7 +15,6 @@ pub fn refund_reason(text: &str) -> Result<String, &'static str> {
     Ok(text.to_owned())
 }
 use crate::money::Amount;
-use crate::money::format_amount;
 use crate::payment::{RefundRuleError, plan_refund};
 
 /// A request to refund part or all of a payment.
@@ -77,16 +75,7 @@ pub async fn refund_payment(
         aggregate_type: "payment".into(),
         aggregate_id: payment.order_id.to_string(),
         event_type: "PaymentRefunded".into(),
-        payload: json!({
-            "type": "PaymentRefunded",
-            "payment_id": payment.id,
-            "refund_id": record.id,
-            "order_id": payment.order_id,
-            "amount": format_amount(record.amount, &payment.currency),
-            "currency": payment.currency,
-            "refunded_total": format_amount(plan.refunded_amount, &payment.currency),
-            "status": plan.status,
-        }),
+        payload: crate::wire::payment_refunded(&payment, &record, plan.refunded_amount, plan.status),
         saga_id: cmd.saga_id,
         traceparent: cmd.traceparent.clone(),
         created_at: now,
