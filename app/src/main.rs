@@ -404,6 +404,33 @@ mod tests {
         assert!(err.contains(message), "{extra:?}: expected {message:?} in {err}");
     }
 
+    /// Each default has one source: the library's settings. The CLI's defaults (shown by `--help`) must be
+    /// the same values, or one of them drifted.
+    #[test]
+    fn cli_defaults_are_the_libraries_defaults() {
+        let args = serve_with(&[]).expect("defaults parse");
+        let runner = RunnerSettings::new("b", "g", "t", args.dedup_ttl);
+        assert_eq!(args.orders.group_id, "payment-service");
+        assert_eq!(args.batch_size as usize, runner.batch_size);
+        assert_eq!(args.batch_timeout, runner.batch_timeout);
+        assert_eq!(args.max_rejections, runner.max_rejections);
+        let relay = RelaySettings::new("b");
+        assert_eq!(args.relay.outbox_batch_size, relay.batch_size);
+        assert_eq!(args.relay.outbox_poll_interval, relay.poll_interval);
+        assert_eq!(args.relay.outbox_retention, relay.retention);
+        assert_eq!(args.relay.outbox_concurrency as usize, relay.concurrency);
+        let layer = IdempotencyConfig::new(args.idempotency_ttl, idem_http::merchant_scope());
+        assert_eq!(args.idempotency_wait, layer.wait);
+        assert_eq!(matches!(args.conflict_status, ConflictStatus::Conflict), layer.conflict_status == StatusCode::CONFLICT);
+        assert_eq!(args.db.database_max_connections, PoolSettings::default().max_connections);
+        let ttl = |p: idem_domain::TtlPolicy| p.ttl();
+        assert!((idem_domain::ttl::MIN_TTL..=idem_domain::ttl::MAX_TTL).contains(&ttl(args.idempotency_ttl)));
+        assert!((idem_domain::ttl::MIN_TTL..=idem_domain::ttl::MAX_TTL).contains(&ttl(args.dedup_ttl)));
+        let cleanup = Cli::try_parse_from(["idem", "cleanup", "--once", "--database-url", "postgres://h/db"]);
+        let Ok(Cli { command: Command::Cleanup(cleanup) }) = cleanup else { panic!("cleanup parses") };
+        assert_eq!(cleanup.batch_size, CleanupSettings::default().batch_size);
+    }
+
     #[test]
     fn defaults_are_valid_and_secrets_are_not_printed() {
         let args = serve_with(&[]).expect("defaults valid");
