@@ -5,32 +5,19 @@ mod config;
 mod demo;
 mod operate;
 mod ops;
+mod serve;
 mod tasks;
 
 use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use std::sync::Arc;
 
-use axum::http::StatusCode;
-use config::{ConflictStatus, DbArgs, DedupStorageArg, KafkaArgs, LayerSwitch, RelayArgs, RelayOnlyArgs, ServeArgs};
-use idem_domain::usecases::OrderEventHandler;
-use idem_http::HttpMetrics;
-use idem_http::{ApiState, IdempotencyConfig, IdempotencyLayer};
-use idem_kafka::ProducerSettings;
-use idem_kafka::admin::ensure_topics_when_reachable;
-use idem_kafka::consumer::{Runner, RunnerSettings};
-use idem_kafka::probe::BrokerProbe;
-use idem_kafka::relay::{Relay, RelaySettings};
-use idem_ports::{Clock, IdGenerator, SystemClock, TransactionManager, UuidV7Generator};
-use idem_postgres::DedupStorage;
-use idem_postgres::cleanup::{Cleaner, CleanupSettings, PartitionPolicy};
-use idem_postgres::{PgOutboxWakeup, PgStore, PoolSettings};
-use prometheus_client::registry::Registry;
-use tasks::TaskGroup;
+use config::{DbArgs, RelayOnlyArgs, ServeArgs};
+use idem_ports::{Clock, SystemClock};
+use idem_postgres::cleanup::{Cleaner, CleanupSettings};
+use idem_postgres::{PgStore, PoolSettings};
 use tokio_util::sync::CancellationToken;
-use tower_http::trace::TraceLayer;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -121,185 +108,6 @@ fn cancel_on_signal(token: CancellationToken) {
     });
 }
 
-fn relay_settings(kafka: &KafkaArgs, relay: &RelayArgs) -> RelaySettings {
-    let mut settings = RelaySettings::new(&kafka.kafka_brokers);
-    settings.batch_size = relay.outbox_batch_size;
-    settings.poll_interval = relay.outbox_poll_interval;
-    settings.retention = relay.outbox_retention;
-    settings.concurrency = relay.outbox_concurrency as usize;
-    settings
-}
-
-async fn spawn_relay(
-    group: &mut TaskGroup,
-    store: &PgStore,
-    kafka: &KafkaArgs,
-    relay: &RelayArgs,
-    registry: &mut Registry,
-) -> anyhow::Result<()> {
-    let wakeup = PgOutboxWakeup::connect(store).await.context("LISTEN for outbox notifications")?;
-    let relay = Relay::new(relay_settings(kafka, relay), Arc::new(store.clone()), Arc::new(SystemClock));
-    relay.stats().register(registry);
-    let token = group.token();
-    group.spawn("outbox relay", async move { Ok(relay.run(Box::new(wakeup), token).await?) });
-    Ok(())
-}
-
-async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    init_tracing(args.log_json);
-    args.validate().map_err(anyhow::Error::msg)?;
-    tracing::info!(config = ?args, "starting idem");
-    let store = connect(&args.db).await?.with_dedup_storage(match args.dedup_storage {
-        DedupStorageArg::Table => DedupStorage::Table,
-        DedupStorageArg::Partitioned => DedupStorage::Partitioned,
-    });
-    store.migrate().await.context("applying migrations")?;
-    tracing::info!("migrations applied");
-    // A second pool for background work (consumer, relay, cleaner, readiness): neither side can take the
-    // other's connections. It shares the outbox signal, so HTTP commits wake the relay at once.
-    let background = DbArgs { database_max_connections: args.background_connections, ..args.db.clone() };
-    let bg_store = connect(&background).await?.with_dedup_storage(store.dedup_storage()).sharing_outbox_signal(&store);
-    // Bind before anything consumes: a taken port fails the start before a single message is touched.
-    let listener =
-        tokio::net::TcpListener::bind(args.http_addr).await.with_context(|| format!("binding {}", args.http_addr))?;
-    let admin_listener = tokio::net::TcpListener::bind(args.admin_addr)
-        .await
-        .with_context(|| format!("binding the admin listener {}", args.admin_addr))?;
-    let dlq_topic = args.orders.dlq_topic();
-
-    let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let ids: Arc<dyn IdGenerator> = Arc::new(UuidV7Generator);
-    let shutdown = CancellationToken::new();
-    cancel_on_signal(shutdown.clone());
-    let mut group = TaskGroup::new(shutdown.clone());
-    let mut registry = Registry::default();
-    let http_metrics = HttpMetrics::default();
-    http_metrics.register(&mut registry);
-
-    // HTTP API
-    let state = ApiState {
-        tm: tm.clone(),
-        payments_of: idem_postgres::payments_of,
-        clock: clock.clone(),
-        ids: ids.clone(),
-        payments_topic: args.kafka.payments_topic.as_str().into(),
-    };
-    let mut idem_config = IdempotencyConfig::new(args.idempotency_ttl, idem_http::merchant_scope());
-    idem_config.wait = args.idempotency_wait;
-    idem_config.conflict_status = match args.conflict_status {
-        ConflictStatus::Conflict => StatusCode::CONFLICT,
-        ConflictStatus::Unprocessable => StatusCode::UNPROCESSABLE_ENTITY,
-    };
-    let layer = match args.idempotency_layer {
-        LayerSwitch::On => IdempotencyLayer::new(tm.clone(), clock.clone(), idem_config),
-        LayerSwitch::Off => {
-            tracing::warn!("idempotency layer is OFF: requests are not deduplicated (benchmark mode)");
-            IdempotencyLayer::transaction_only(tm.clone(), clock.clone(), idem_config)
-        }
-    };
-    let api_keys = args.api_keys.clone().with_concurrency_limit(args.merchant_concurrency as usize);
-    let api = idem_http::router_with_metrics(state, Arc::new(api_keys), layer, http_metrics);
-    // Order-event consumer
-    let mut settings = RunnerSettings::new(
-        &args.kafka.kafka_brokers,
-        &args.orders.group_id,
-        &args.orders.orders_topic,
-        args.dedup_ttl,
-    );
-    settings.dlq_topic = dlq_topic.clone();
-    settings.batch_size = args.batch_size as usize;
-    settings.batch_timeout = args.batch_timeout;
-    settings.max_rejections = args.max_rejections;
-    settings.consumer.session_timeout = args.session_timeout;
-    settings.consumer.max_poll_interval = args.max_poll_interval;
-    settings.producer = ProducerSettings::new(&args.kafka.kafka_brokers);
-    let handler = Arc::new(OrderEventHandler {
-        clock: clock.clone(),
-        ids: ids.clone(),
-        payments_topic: args.kafka.payments_topic.clone(),
-        merchant_id: args.orders_merchant_id.clone(),
-        payments_of: idem_postgres::payments_of,
-    });
-    let bg_tm: Arc<dyn TransactionManager> = Arc::new(bg_store.clone());
-    let runner = Runner::new(settings, bg_tm, clock.clone(), handler);
-    runner.stats().register(&mut registry);
-    let token = shutdown.clone();
-    let (brokers, partitions) = (args.kafka.kafka_brokers.clone(), args.kafka.topic_partitions);
-    let topics = [args.orders.orders_topic.clone(), dlq_topic, args.kafka.payments_topic.clone()];
-    // Kafka may be down at start: the API serves at once (payments wait in the outbox), topics are created
-    // in the background, and the consumer starts once they exist.
-    group.spawn("order consumer", async move {
-        let topics: Vec<&str> = topics.iter().map(String::as_str).collect();
-        if !ensure_topics_when_reachable(&brokers, &topics, partitions, &token).await {
-            return Ok(());
-        }
-        Ok(runner.run(token).await?)
-    });
-
-    // Outbox relay
-    spawn_relay(&mut group, &bg_store, &args.kafka, &args.relay, &mut registry).await?;
-
-    // TTL cleanup
-    let partitions = (args.dedup_storage == DedupStorageArg::Partitioned)
-        .then(|| PartitionPolicy { ttl: args.dedup_ttl.ttl(), days_ahead: 3 });
-    let cleaner = Cleaner::new(bg_store.clone(), CleanupSettings { partitions, ..CleanupSettings::default() });
-    let cleanup_stats = cleaner.stats();
-    cleanup_stats.register(&mut registry);
-    let (token, interval) = (shutdown.clone(), args.cleanup_interval);
-    group.spawn("ttl cleaner", async move {
-        cleaner.run(&SystemClock, interval, token).await;
-        Ok(())
-    });
-
-    // Operational endpoints, then serve everything
-    let gauges = ops::Gauges::default();
-    gauges.register(&mut registry);
-    let ops = ops::Ops {
-        store: bg_store.clone(),
-        broker: BrokerProbe::new(&args.kafka.kafka_brokers)?,
-        registry: Arc::new(registry),
-        gauges,
-        cleanup: cleanup_stats,
-    };
-    // Gauges that need the database are refreshed in the background, never by a scrape.
-    let (gauges, token) = (ops.clone(), shutdown.clone());
-    group.spawn("gauges", async move {
-        gauges.refresh_until(token, std::time::Duration::from_secs(10)).await;
-        Ok(())
-    });
-    // The public listener serves the API and a liveness probe; readiness and metrics live on the admin
-    // listener only (loopback by default), so no unauthenticated public request causes database work.
-    let app = api.merge(ops::public_router()).layer(
-        TraceLayer::new_for_http().make_span_with(|req: &axum::http::Request<axum::body::Body>| {
-            tracing::info_span!("request", method = %req.method(), path = %req.uri().path())
-        }),
-    );
-    {
-        tracing::info!(addr = %admin_listener.local_addr()?, "admin listener (readyz, metrics)");
-        let (token, admin) = (shutdown.clone(), ops::router(ops));
-        group.spawn("admin http", async move {
-            axum::serve(admin_listener, admin).with_graceful_shutdown(async move { token.cancelled().await }).await?;
-            Ok(())
-        });
-    }
-
-    {
-        tracing::info!(addr = %listener.local_addr()?, "HTTP API listening");
-        let token = shutdown.clone();
-        group.spawn("http", async move {
-            axum::serve(listener, app).with_graceful_shutdown(async move { token.cancelled().await }).await?;
-            Ok(())
-        });
-    }
-
-    let result = group.wait(args.shutdown_timeout).await;
-    store.pool().close().await;
-    bg_store.pool().close().await;
-    tracing::info!("stopped");
-    result
-}
-
 async fn cleanup_once(args: CleanupArgs) -> anyhow::Result<()> {
     init_tracing(false);
     anyhow::ensure!(args.once, "idem cleanup needs --once (idem serve runs the periodic cleaner)");
@@ -338,19 +146,6 @@ async fn cleanup_once(args: CleanupArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn relay_only(args: RelayOnlyArgs) -> anyhow::Result<()> {
-    init_tracing(args.log_json);
-    let store = connect(&args.db).await?;
-    store.migrate().await.context("applying migrations")?;
-    let shutdown = CancellationToken::new();
-    cancel_on_signal(shutdown.clone());
-    let mut group = TaskGroup::new(shutdown);
-    spawn_relay(&mut group, &store, &args.kafka, &args.relay, &mut Registry::default()).await?;
-    let result = group.wait(std::time::Duration::from_secs(20)).await;
-    store.pool().close().await;
-    result
-}
-
 async fn migrate(db: DbArgs) -> anyhow::Result<()> {
     init_tracing(false);
     let store = connect(&db).await?;
@@ -363,9 +158,9 @@ async fn migrate(db: DbArgs) -> anyhow::Result<()> {
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Serve(args) => serve(*args).await,
+        Command::Serve(args) => serve::serve(*args).await,
         Command::Migrate(db) => migrate(db).await,
-        Command::Relay(args) => relay_only(*args).await,
+        Command::Relay(args) => serve::relay_only(*args).await,
         Command::Cleanup(args) => cleanup_once(args).await,
         Command::Pay(args) => demo::pay(*args).await,
         Command::Demo(args) => demo::demo(*args).await,
@@ -386,6 +181,12 @@ async fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::http::StatusCode;
+    use config::ConflictStatus;
+    use idem_http::IdempotencyConfig;
+    use idem_kafka::consumer::RunnerSettings;
+    use idem_kafka::relay::RelaySettings;
+    use idem_postgres::PoolSettings;
 
     const BASE: &[&str] = &["idem", "serve", "--database-url", "postgres://u:secret@h/db"];
 
@@ -421,7 +222,10 @@ mod tests {
         assert_eq!(args.relay.outbox_concurrency as usize, relay.concurrency);
         let layer = IdempotencyConfig::new(args.idempotency_ttl, idem_http::merchant_scope());
         assert_eq!(args.idempotency_wait, layer.wait);
-        assert_eq!(matches!(args.conflict_status, ConflictStatus::Conflict), layer.conflict_status == StatusCode::CONFLICT);
+        assert_eq!(
+            matches!(args.conflict_status, ConflictStatus::Conflict),
+            layer.conflict_status == StatusCode::CONFLICT
+        );
         assert_eq!(args.db.database_max_connections, PoolSettings::default().max_connections);
         let ttl = |p: idem_domain::TtlPolicy| p.ttl();
         assert!((idem_domain::ttl::MIN_TTL..=idem_domain::ttl::MAX_TTL).contains(&ttl(args.idempotency_ttl)));

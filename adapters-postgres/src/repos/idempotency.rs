@@ -1,0 +1,121 @@
+//! `IdempotencyRepository`: claim, complete and read idempotency records.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use idem_ports::{
+    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyRepository, IdempotencyState, StoreError,
+    StoredResponse,
+};
+
+use crate::PgUnitOfWork;
+use crate::error::map_sqlx_error;
+
+fn duration_ms(wait: Duration) -> String {
+    format!("{}ms", wait.as_millis().max(1))
+}
+
+#[async_trait]
+impl IdempotencyRepository for PgUnitOfWork {
+    async fn claim(
+        &mut self,
+        c: &IdempotencyClaim,
+        now: DateTime<Utc>,
+        wait: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        // One round trip: bound the lock wait (set_config runs while the SELECT produces the row, before
+        // the insert can wait on a concurrent claim), then claim the key or take over an expired record.
+        let claimed = sqlx::query_scalar!(
+            r#"INSERT INTO idempotency_record AS r (scope, key, command_hash, state, created_at, expires_at)
+               SELECT $1, $2, $3, 'in_flight', $4, $5
+               FROM (SELECT set_config('lock_timeout', $7, true)) AS bounded_wait
+               ON CONFLICT (scope, key) DO UPDATE
+                   SET command_hash = EXCLUDED.command_hash, state = 'in_flight', status_code = NULL,
+                       response_headers = NULL, response_body = NULL,
+                       created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
+                   WHERE r.expires_at <= $6
+               RETURNING 1 AS "one!""#,
+            c.scope,
+            c.key,
+            &c.command_hash[..],
+            c.created_at,
+            c.expires_at,
+            now,
+            duration_ms(wait),
+        )
+        .fetch_optional(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        if claimed.is_some() {
+            return Ok(ClaimOutcome::Claimed);
+        }
+        match IdempotencyRepository::get(self, &c.scope, &c.key).await? {
+            Some(existing) => Ok(ClaimOutcome::Existing(existing)),
+            None => Err(StoreError::Retryable("conflicting idempotency record vanished".into())),
+        }
+    }
+
+    async fn complete(&mut self, scope: &str, key: &str, response: &StoredResponse) -> Result<(), StoreError> {
+        let headers = serde_json::to_value(&response.headers)
+            .map_err(|e| StoreError::Other(format!("headers not serializable: {e}")))?;
+        let status =
+            i16::try_from(response.status_code).map_err(|_| StoreError::Other("status code out of range".into()))?;
+        let done = sqlx::query!(
+            r#"UPDATE idempotency_record
+               SET state = 'completed', status_code = $3, response_headers = $4, response_body = $5
+               WHERE scope = $1 AND key = $2"#,
+            scope,
+            key,
+            status,
+            headers,
+            response.body,
+        )
+        .execute(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        if done.rows_affected() == 1 { Ok(()) } else { Err(StoreError::NotFound) }
+    }
+
+    async fn get(&mut self, scope: &str, key: &str) -> Result<Option<IdempotencyRecord>, StoreError> {
+        let row = sqlx::query!(
+            r#"SELECT scope, key, command_hash, state, status_code, response_headers, response_body,
+                      created_at, expires_at
+               FROM idempotency_record WHERE scope = $1 AND key = $2"#,
+            scope,
+            key,
+        )
+        .fetch_optional(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        let Some(row) = row else { return Ok(None) };
+        let command_hash: [u8; 32] =
+            row.command_hash.try_into().map_err(|_| StoreError::Other("command_hash is not 32 bytes".into()))?;
+        let state = match row.state.as_str() {
+            "completed" => IdempotencyState::Completed,
+            _ => IdempotencyState::InFlight,
+        };
+        let response = match (row.status_code, row.response_body) {
+            (Some(code), Some(body)) => {
+                let headers: Vec<(String, String)> = match row.response_headers {
+                    Some(h) => serde_json::from_value(h)
+                        .map_err(|e| StoreError::Other(format!("stored headers unreadable: {e}")))?,
+                    None => Vec::new(),
+                };
+                let status_code =
+                    u16::try_from(code).map_err(|_| StoreError::Other("stored status negative".into()))?;
+                Some(StoredResponse { status_code, headers, body })
+            }
+            _ => None,
+        };
+        Ok(Some(IdempotencyRecord {
+            scope: row.scope,
+            key: row.key,
+            command_hash,
+            state,
+            response,
+            created_at: row.created_at,
+            expires_at: row.expires_at,
+        }))
+    }
+}

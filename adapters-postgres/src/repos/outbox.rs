@@ -1,0 +1,203 @@
+//! `OutboxRepository`: enqueue, claim by key shards, mark, quarantine.
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use idem_ports::{NewOutboxMessage, OutboxRecord, OutboxRepository, StoreError};
+use uuid::Uuid;
+
+use crate::PgUnitOfWork;
+use crate::error::map_sqlx_error;
+
+/// Number of key shards of the outbox (`key_shard` in the migrations); also the most advisory locks all
+/// relays together hold.
+pub const OUTBOX_KEY_SHARDS: i64 = 64;
+/// Most shards (so most advisory locks) one claim takes: a quarter, so four relay rounds share the keys.
+pub const SHARDS_PER_CLAIM: i64 = OUTBOX_KEY_SHARDS / 4;
+
+#[async_trait]
+impl OutboxRepository for PgUnitOfWork {
+    async fn enqueue(&mut self, m: &NewOutboxMessage) -> Result<(), StoreError> {
+        let mut headers = serde_json::Map::new();
+        if let Some(tp) = &m.traceparent {
+            headers.insert("traceparent".into(), serde_json::Value::String(tp.clone()));
+        }
+        self.wrote_outbox = true;
+        sqlx::query!(
+            r#"INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, headers,
+                                          saga_id, created_at)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"#,
+            m.id,
+            m.topic,
+            m.aggregate_type,
+            m.aggregate_id,
+            m.event_type,
+            m.payload,
+            serde_json::Value::Object(headers),
+            m.saga_id,
+            m.created_at,
+        )
+        .execute(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(())
+    }
+
+    async fn enqueue_many(&mut self, messages: &[NewOutboxMessage]) -> Result<(), StoreError> {
+        if messages.is_empty() {
+            return Ok(());
+        }
+        let headers: Vec<serde_json::Value> = messages
+            .iter()
+            .map(|m| match &m.traceparent {
+                Some(tp) => serde_json::json!({ "traceparent": tp }),
+                None => serde_json::json!({}),
+            })
+            .collect();
+        self.wrote_outbox = true;
+        sqlx::query!(
+            r#"INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, headers, saga_id,
+                                          created_at)
+               SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::jsonb[],
+                                    $7::jsonb[], $8::uuid[], $9::timestamptz[])"#,
+            &messages.iter().map(|m| m.id).collect::<Vec<_>>(),
+            &messages.iter().map(|m| m.topic.clone()).collect::<Vec<_>>(),
+            &messages.iter().map(|m| m.aggregate_type.clone()).collect::<Vec<_>>(),
+            &messages.iter().map(|m| m.aggregate_id.clone()).collect::<Vec<_>>(),
+            &messages.iter().map(|m| m.event_type.clone()).collect::<Vec<_>>(),
+            &messages.iter().map(|m| m.payload.clone()).collect::<Vec<_>>(),
+            &headers,
+            &messages.iter().map(|m| m.saga_id).collect::<Vec<_>>() as &[Option<Uuid>],
+            &messages.iter().map(|m| m.created_at).collect::<Vec<_>>(),
+        )
+        .execute(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(())
+    }
+
+    async fn claim_unpublished(&mut self, limit: i64) -> Result<Vec<OutboxRecord>, StoreError> {
+        // Keys are spread over OUTBOX_KEY_SHARDS shards (`key_shard`, a hash of the key). A claim first
+        // reads the shards of the oldest unpublished rows (no locks), then takes a transaction-scoped
+        // advisory lock on at most SHARDS_PER_CLAIM of them, and claims the oldest rows of the shards it
+        // holds. The lock function runs only over the distinct shards of a materialized set, so a claim
+        // holds at most SHARDS_PER_CLAIM advisory locks whatever plan the planner picks, and all relays
+        // together at most OUTBOX_KEY_SHARDS. A key belongs to one shard, so no two relays ever publish
+        // one key at once, and a key's rows are claimed in `seq` order. `FOR UPDATE` (no SKIP LOCKED: a
+        // skipped row would let a later row of its key overtake it) re-checks `published_at` against the
+        // latest committed version. Quarantined rows, and every row of a key that has one, are skipped.
+        // Prefer reading the unpublished rows in `seq` order from their index over a bitmap scan and a sort:
+        // an index scan marks the entries of published (dead) rows as it passes them, so the next claims skip
+        // them; a bitmap scan revisits every dead entry on every claim until VACUUM (measured: 100,000 dead
+        // entries made each claim ~8 ms and the relay's p99 commit-to-publish 130 ms). Discouraging the sort
+        // (not forbidding bitmap scans) leaves the planner every plan when index scans are unavailable.
+        // Transaction-scoped, like everything this unit sets.
+        sqlx::query("SET LOCAL enable_sort = off").execute(self.connection()).await.map_err(map_sqlx_error)?;
+        let rows = sqlx::query!(
+            r#"WITH candidates AS MATERIALIZED (
+                   SELECT key_shard FROM outbox_message o
+                   WHERE published_at IS NULL AND quarantined_at IS NULL
+                     AND NOT EXISTS (SELECT 1 FROM outbox_message q WHERE q.aggregateid = o.aggregateid
+                                     AND q.quarantined_at IS NOT NULL AND q.published_at IS NULL)
+                   ORDER BY seq LIMIT $1
+               ), held AS MATERIALIZED (
+                   SELECT s.key_shard
+                   FROM (SELECT DISTINCT key_shard FROM candidates) AS s
+                   WHERE pg_try_advisory_xact_lock(7368, s.key_shard)
+                   LIMIT $2
+               )
+               SELECT id, topic, aggregatetype, aggregateid, type AS "event_type", payload::text AS "payload!", headers, saga_id,
+                      created_at, attempts
+               FROM outbox_message o
+               WHERE published_at IS NULL AND quarantined_at IS NULL AND key_shard IN (SELECT key_shard FROM held)
+                 AND NOT EXISTS (SELECT 1 FROM outbox_message q WHERE q.aggregateid = o.aggregateid
+                                 AND q.quarantined_at IS NOT NULL AND q.published_at IS NULL)
+               ORDER BY seq
+               LIMIT $1
+               FOR UPDATE"#,
+            limit,
+            SHARDS_PER_CLAIM,
+        )
+        .fetch_all(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        rows.into_iter()
+            .map(|r| {
+                let headers = match r.headers {
+                    serde_json::Value::Object(map) => {
+                        map.into_iter().filter_map(|(k, v)| v.as_str().map(|v| (k, v.to_owned()))).collect()
+                    }
+                    _ => Vec::new(),
+                };
+                Ok(OutboxRecord {
+                    id: r.id,
+                    topic: r.topic,
+                    aggregate_type: r.aggregatetype,
+                    aggregate_id: r.aggregateid,
+                    event_type: r.event_type,
+                    payload: r.payload,
+                    headers,
+                    saga_id: r.saga_id,
+                    created_at: r.created_at,
+                    attempts: r.attempts,
+                })
+            })
+            .collect()
+    }
+
+    async fn mark_published(
+        &mut self,
+        ids: &[Uuid],
+        published_at: DateTime<Utc>,
+        expires_at: DateTime<Utc>,
+    ) -> Result<(), StoreError> {
+        sqlx::query!(
+            "UPDATE outbox_message SET published_at = $2, expires_at = $3, last_error = NULL WHERE id = ANY($1)",
+            ids,
+            published_at,
+            expires_at,
+        )
+        .execute(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(())
+    }
+
+    async fn record_failure(&mut self, ids: &[Uuid], error: &str) -> Result<(), StoreError> {
+        sqlx::query!(
+            "UPDATE outbox_message SET attempts = attempts + 1, last_error = left($2, 1000) WHERE id = ANY($1)",
+            ids,
+            error,
+        )
+        .execute(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(())
+    }
+
+    async fn record_rejection(&mut self, ids: &[Uuid], error: &str, quarantine_after: i32) -> Result<u64, StoreError> {
+        let quarantined = sqlx::query_scalar!(
+            r#"WITH updated AS (
+                   UPDATE outbox_message
+                   SET attempts = attempts + 1, last_error = left($2, 1000),
+                       quarantined_at = CASE WHEN attempts + 1 >= $3 THEN now() END
+                   WHERE id = ANY($1) AND published_at IS NULL
+                   RETURNING quarantined_at
+               )
+               SELECT count(*) FILTER (WHERE quarantined_at IS NOT NULL) AS "n!" FROM updated"#,
+            ids,
+            error,
+            quarantine_after,
+        )
+        .fetch_one(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(u64::try_from(quarantined).unwrap_or(0))
+    }
+
+    async fn backlog(&mut self) -> Result<i64, StoreError> {
+        sqlx::query_scalar!(r#"SELECT count(*) AS "n!" FROM outbox_message WHERE published_at IS NULL"#)
+            .fetch_one(self.connection())
+            .await
+            .map_err(map_sqlx_error)
+    }
+}

@@ -1,0 +1,339 @@
+//! `PaymentRepository` and `ProjectionRepository`: the reference payment service's own tables.
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use idem_ports::{
+    NewPayment, NewRefund, PaymentInsert, PaymentRecord, PaymentRepository, PaymentStatus, ProjectionRepository,
+    RefundRecord, StoreError,
+};
+use rust_decimal::Decimal;
+use uuid::Uuid;
+
+use crate::PgUnitOfWork;
+use crate::error::map_sqlx_error;
+
+struct PaymentRow {
+    id: Uuid,
+    merchant_id: String,
+    order_id: Uuid,
+    customer_id: Uuid,
+    provider: String,
+    external_payment_id: String,
+    amount: Decimal,
+    currency: String,
+    status: String,
+    refunded_amount: Decimal,
+    created_at: DateTime<Utc>,
+}
+
+impl TryFrom<PaymentRow> for PaymentRecord {
+    type Error = StoreError;
+
+    fn try_from(r: PaymentRow) -> Result<Self, StoreError> {
+        let status = PaymentStatus::parse(&r.status)
+            .ok_or_else(|| StoreError::Other(format!("unknown payment status {:?}", r.status)))?;
+        Ok(PaymentRecord {
+            id: r.id,
+            merchant_id: r.merchant_id,
+            order_id: r.order_id,
+            customer_id: r.customer_id,
+            provider: r.provider,
+            external_payment_id: r.external_payment_id,
+            amount: r.amount,
+            currency: r.currency,
+            status,
+            refunded_amount: r.refunded_amount,
+            created_at: r.created_at,
+        })
+    }
+}
+
+fn record(row: Option<PaymentRow>) -> Result<Option<PaymentRecord>, StoreError> {
+    row.map(PaymentRecord::try_from).transpose()
+}
+
+#[async_trait]
+impl PaymentRepository for PgUnitOfWork {
+    async fn insert(&mut self, p: &NewPayment) -> Result<PaymentRecord, StoreError> {
+        sqlx::query_as!(
+            PaymentRow,
+            r#"INSERT INTO payment (id, merchant_id, order_id, customer_id, provider, external_payment_id,
+                                   amount, currency, status, created_at, updated_at)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $10)
+               RETURNING id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                         currency AS "currency!", status, refunded_amount, created_at"#,
+            p.id,
+            p.merchant_id,
+            p.order_id,
+            p.customer_id,
+            p.provider,
+            p.external_payment_id,
+            p.amount,
+            p.currency,
+            p.status.as_str(),
+            p.created_at,
+        )
+        .fetch_one(self.connection())
+        .await
+        .map_err(map_sqlx_error)?
+        .try_into()
+    }
+
+    async fn insert_or_get(&mut self, p: &NewPayment) -> Result<PaymentInsert, StoreError> {
+        let inserted = sqlx::query_as!(
+            PaymentRow,
+            r#"INSERT INTO payment (id, merchant_id, order_id, customer_id, provider, external_payment_id,
+                                   amount, currency, status, created_at, updated_at)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $10)
+               ON CONFLICT (provider, external_payment_id) DO NOTHING
+               RETURNING id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                         currency AS "currency!", status, refunded_amount, created_at"#,
+            p.id,
+            p.merchant_id,
+            p.order_id,
+            p.customer_id,
+            p.provider,
+            p.external_payment_id,
+            p.amount,
+            p.currency,
+            p.status.as_str(),
+            p.created_at,
+        )
+        .fetch_optional(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        if let Some(row) = inserted {
+            return Ok(PaymentInsert::Inserted(row.try_into()?));
+        }
+        // The conflicting row is committed (ON CONFLICT waited for its transaction), and this new statement
+        // sees it under READ COMMITTED.
+        let existing = sqlx::query_as!(
+            PaymentRow,
+            r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                      currency AS "currency!", status, refunded_amount, created_at
+               FROM payment WHERE provider = $1 AND external_payment_id = $2"#,
+            p.provider,
+            p.external_payment_id,
+        )
+        .fetch_optional(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        match record(existing)? {
+            Some(p) => Ok(PaymentInsert::Existing(p)),
+            None => Err(StoreError::Retryable("conflicting payment vanished".into())),
+        }
+    }
+
+    async fn insert_many_or_get(&mut self, payments: &[NewPayment]) -> Result<Vec<PaymentInsert>, StoreError> {
+        if payments.is_empty() {
+            return Ok(Vec::new());
+        }
+        let col = |f: fn(&NewPayment) -> String| payments.iter().map(f).collect::<Vec<_>>();
+        let ids: Vec<Uuid> = payments.iter().map(|p| p.id).collect();
+        let orders: Vec<Uuid> = payments.iter().map(|p| p.order_id).collect();
+        let customers: Vec<Uuid> = payments.iter().map(|p| p.customer_id).collect();
+        let amounts: Vec<Decimal> = payments.iter().map(|p| p.amount).collect();
+        let created: Vec<DateTime<Utc>> = payments.iter().map(|p| p.created_at).collect();
+        let inserted = sqlx::query_as!(
+            PaymentRow,
+            r#"INSERT INTO payment (id, merchant_id, order_id, customer_id, provider, external_payment_id,
+                                   amount, currency, status, created_at, updated_at)
+               SELECT * , p.created_at FROM UNNEST($1::uuid[], $2::text[], $3::uuid[], $4::uuid[], $5::text[],
+                                      $6::text[], $7::numeric[], $8::text[], $9::text[], $10::timestamptz[])
+                    AS p(id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                         currency, status, created_at)
+               ON CONFLICT (provider, external_payment_id) DO NOTHING
+               RETURNING id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                         currency AS "currency!", status, refunded_amount, created_at"#,
+            &ids,
+            &col(|p| p.merchant_id.clone()),
+            &orders,
+            &customers,
+            &col(|p| p.provider.clone()),
+            &col(|p| p.external_payment_id.clone()),
+            &amounts,
+            &col(|p| p.currency.clone()),
+            &col(|p| p.status.as_str().to_owned()),
+            &created,
+        )
+        .fetch_all(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        let mut by_id: std::collections::HashMap<Uuid, PaymentRecord> = std::collections::HashMap::new();
+        for row in inserted {
+            let rec = PaymentRecord::try_from(row)?;
+            by_id.insert(rec.id, rec);
+        }
+        let missing: Vec<&NewPayment> = payments.iter().filter(|p| !by_id.contains_key(&p.id)).collect();
+        let mut existing: std::collections::HashMap<(String, String), PaymentRecord> = std::collections::HashMap::new();
+        if !missing.is_empty() {
+            let providers: Vec<String> = missing.iter().map(|p| p.provider.clone()).collect();
+            let externals: Vec<String> = missing.iter().map(|p| p.external_payment_id.clone()).collect();
+            let rows = sqlx::query_as!(
+                PaymentRow,
+                r#"SELECT p.id, p.merchant_id, p.order_id, p.customer_id, p.provider, p.external_payment_id, p.amount,
+                          p.currency AS "currency!", p.status, p.refunded_amount, p.created_at
+                   FROM payment p
+                   JOIN UNNEST($1::text[], $2::text[]) AS k(provider, external_payment_id)
+                     ON p.provider = k.provider AND p.external_payment_id = k.external_payment_id"#,
+                &providers,
+                &externals,
+            )
+            .fetch_all(self.connection())
+            .await
+            .map_err(map_sqlx_error)?;
+            for row in rows {
+                let rec = PaymentRecord::try_from(row)?;
+                existing.insert((rec.provider.clone(), rec.external_payment_id.clone()), rec);
+            }
+        }
+        payments
+            .iter()
+            .map(|p| match by_id.get(&p.id) {
+                Some(rec) => Ok(PaymentInsert::Inserted(rec.clone())),
+                None => existing
+                    .get(&(p.provider.clone(), p.external_payment_id.clone()))
+                    .cloned()
+                    .map(PaymentInsert::Existing)
+                    .ok_or_else(|| StoreError::Retryable("conflicting payment vanished".into())),
+            })
+            .collect()
+    }
+
+    async fn get(&mut self, id: Uuid) -> Result<Option<PaymentRecord>, StoreError> {
+        let row = sqlx::query_as!(
+            PaymentRow,
+            r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                      currency AS "currency!", status, refunded_amount, created_at
+               FROM payment WHERE id = $1"#,
+            id,
+        )
+        .fetch_optional(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        record(row)
+    }
+
+    async fn get_for_update(&mut self, id: Uuid) -> Result<Option<PaymentRecord>, StoreError> {
+        let row = sqlx::query_as!(
+            PaymentRow,
+            r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                      currency AS "currency!", status, refunded_amount, created_at
+               FROM payment WHERE id = $1 FOR UPDATE"#,
+            id,
+        )
+        .fetch_optional(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        record(row)
+    }
+
+    async fn find_by_order_for_update(
+        &mut self,
+        merchant_id: &str,
+        order_id: Uuid,
+    ) -> Result<Option<PaymentRecord>, StoreError> {
+        let row = sqlx::query_as!(
+            PaymentRow,
+            r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                      currency AS "currency!", status, refunded_amount, created_at
+               FROM payment WHERE merchant_id = $1 AND order_id = $2
+               ORDER BY created_at DESC, id DESC LIMIT 1 FOR UPDATE"#,
+            merchant_id,
+            order_id,
+        )
+        .fetch_optional(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        record(row)
+    }
+
+    async fn apply_refund(
+        &mut self,
+        r: &NewRefund,
+        refunded_amount: Decimal,
+        status: PaymentStatus,
+    ) -> Result<RefundRecord, StoreError> {
+        let updated = sqlx::query!(
+            "UPDATE payment SET refunded_amount = $2, status = $3, updated_at = $4 WHERE id = $1",
+            r.payment_id,
+            refunded_amount,
+            status.as_str(),
+            r.created_at,
+        )
+        .execute(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        if updated.rows_affected() != 1 {
+            return Err(StoreError::NotFound);
+        }
+        sqlx::query_as!(
+            RefundRecord,
+            r#"INSERT INTO refund (id, payment_id, amount, reason, created_at)
+               VALUES ($1, $2, $3, $4, $5)
+               RETURNING id, payment_id, amount, reason, created_at"#,
+            r.id,
+            r.payment_id,
+            r.amount,
+            r.reason,
+            r.created_at,
+        )
+        .fetch_one(self.connection())
+        .await
+        .map_err(map_sqlx_error)
+    }
+}
+
+#[async_trait]
+impl ProjectionRepository for PgUnitOfWork {
+    async fn apply_order_version(
+        &mut self,
+        order_id: Uuid,
+        version: i64,
+        status: &str,
+        now: DateTime<Utc>,
+    ) -> Result<bool, StoreError> {
+        let applied = sqlx::query_scalar!(
+            r#"INSERT INTO order_projection AS o (order_id, version, status, updated_at)
+               VALUES ($1, $2, $3, $4)
+               ON CONFLICT (order_id) DO UPDATE
+                   SET version = EXCLUDED.version, status = EXCLUDED.status, updated_at = EXCLUDED.updated_at
+                   WHERE o.version < EXCLUDED.version
+               RETURNING 1 AS "one!""#,
+            order_id,
+            version,
+            status,
+            now,
+        )
+        .fetch_optional(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(applied.is_some())
+    }
+
+    async fn apply_order_versions(
+        &mut self,
+        versions: &[(Uuid, i64, String)],
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Uuid>, StoreError> {
+        if versions.is_empty() {
+            return Ok(Vec::new());
+        }
+        sqlx::query_scalar!(
+            r#"INSERT INTO order_projection AS o (order_id, version, status, updated_at)
+               SELECT v.order_id, v.version, v.status, $4
+               FROM UNNEST($1::uuid[], $2::bigint[], $3::text[]) AS v(order_id, version, status)
+               ON CONFLICT (order_id) DO UPDATE
+                   SET version = EXCLUDED.version, status = EXCLUDED.status, updated_at = EXCLUDED.updated_at
+                   WHERE o.version < EXCLUDED.version
+               RETURNING o.order_id"#,
+            &versions.iter().map(|v| v.0).collect::<Vec<_>>(),
+            &versions.iter().map(|v| v.1).collect::<Vec<_>>(),
+            &versions.iter().map(|v| v.2.clone()).collect::<Vec<_>>(),
+            now,
+        )
+        .fetch_all(self.connection())
+        .await
+        .map_err(map_sqlx_error)
+    }
+}
