@@ -71,18 +71,22 @@ use idem_domain::{EventId, TtlPolicy};
 use idem_ports::{
     BatchError, Clock, EventHandler, HandlerError, InboundEvent, ProcessedEvent, StoreError, TransactionManager,
 };
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
-use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::client::{ConsumerSettings, ProducerSettings, breaks_session};
+
+mod errors;
+mod offsets;
+mod stats;
+
+pub use errors::{ClientErrorAction, RunnerError, classify_consumer_error};
+use offsets::{Offsets, RunnerContext};
+pub use stats::ConsumerStats;
 
 /// Header carrying the event id.
 pub const EVENT_ID_HEADER: &str = wire::EVENT_ID;
@@ -138,124 +142,6 @@ impl RunnerSettings {
             dedup_ttl,
             dedup: true,
         }
-    }
-}
-
-/// Counters of a running consumer (Prometheus counters; register them with [`ConsumerStats::register`]).
-#[derive(Debug, Default)]
-pub struct ConsumerStats {
-    pub received: Counter,
-    pub processed: Counter,
-    pub duplicates: Counter,
-    pub dead_lettered: Counter,
-    pub batches: Counter,
-    pub transient_failures: Counter,
-    /// Errors reported by the Kafka client (transport, timeouts, rebalance); each is waited out.
-    pub kafka_errors: Counter,
-    /// Messages behind the partitions' high watermarks, from librdkafka's statistics (every 5 s).
-    pub lag: Gauge,
-}
-
-impl ConsumerStats {
-    pub fn register(&self, registry: &mut Registry) {
-        let r = registry.sub_registry_with_prefix("idem_consumer");
-        r.register("messages_received", "Messages fetched from the input topic", self.received.clone());
-        r.register("events_processed", "Events applied (new event ids, committed)", self.processed.clone());
-        r.register("events_duplicate", "Events skipped as already processed (same event_id)", self.duplicates.clone());
-        r.register("messages_dead_lettered", "Messages sent to the dead-letter topic", self.dead_lettered.clone());
-        r.register("batches_committed", "Batches committed (database, then offsets)", self.batches.clone());
-        r.register(
-            "transient_failures",
-            "Batches rolled back on a transient failure and retried",
-            self.transient_failures.clone(),
-        );
-        r.register(
-            "kafka_errors",
-            "Errors reported by the Kafka client (transport, timeout, rebalance), retried with backoff",
-            self.kafka_errors.clone(),
-        );
-        r.register("lag_messages", "Consumer lag summed over assigned partitions", self.lag.clone());
-    }
-}
-
-/// Tracks the assignment and the committable positions. Offsets are only ever recorded after their
-/// transaction committed and auto-commit is off, so a revocation can never commit the offset of an
-/// uncommitted message.
-struct RunnerContext {
-    lag: Gauge,
-    offsets: Offsets,
-}
-
-impl ClientContext for RunnerContext {
-    fn stats(&self, statistics: rdkafka::Statistics) {
-        let lag: i64 = statistics
-            .topics
-            .values()
-            .flat_map(|t| t.partitions.values())
-            .filter(|p| p.partition >= 0 && p.consumer_lag >= 0)
-            .map(|p| p.consumer_lag)
-            .sum();
-        self.lag.set(lag);
-    }
-}
-
-fn partitions(tpl: &TopicPartitionList) -> Vec<(String, i32)> {
-    tpl.elements().iter().map(|e| (e.topic().to_owned(), e.partition())).collect()
-}
-
-impl ConsumerContext for RunnerContext {
-    fn pre_rebalance(&self, consumer: &rdkafka::consumer::BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        match rebalance {
-            Rebalance::Revoke(tpl) => {
-                // Commit what committed for the partitions leaving, then forget them: their next owner
-                // moves them on, and a position of ours committed later would push it back.
-                let revoked = partitions(tpl);
-                let leaving = self.offsets.release(&revoked);
-                if leaving.count() > 0
-                    && let Err(e) = consumer.commit(&leaving, CommitMode::Sync)
-                {
-                    tracing::warn!(error = %e, "offset commit on revocation failed; the next owner re-reads and dedups");
-                }
-                tracing::info!(partitions = tpl.count(), "partitions revoked")
-            }
-            Rebalance::Assign(tpl) => {
-                self.offsets.assign(&partitions(tpl));
-                tracing::info!(partitions = tpl.count(), "partitions assigned")
-            }
-            Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
-        }
-    }
-}
-
-/// Why the runner stopped: only a configuration the Kafka client refuses, which no retry can heal.
-#[derive(Debug, thiserror::Error)]
-pub enum RunnerError {
-    #[error("invalid Kafka consumer configuration (fix the settings and restart): {0}")]
-    Config(rdkafka::error::KafkaError),
-}
-
-/// What the runner does with an error the Kafka client reported while consuming.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ClientErrorAction {
-    /// Not an error for the application (end of partition).
-    Ignore,
-    /// Transport, timeout, coordinator or rebalance trouble: log, count, back off, keep consuming. The
-    /// client reconnects and rejoins the group by itself.
-    Retry,
-    /// The client instance is unusable (a fatal error): log, back off, create a new consumer.
-    Recreate,
-}
-
-/// Classifies an error returned by `recv()`. Nothing the broker or the network does ends the runner.
-pub fn classify_consumer_error(e: &rdkafka::error::KafkaError) -> ClientErrorAction {
-    use rdkafka::error::KafkaError;
-    match e {
-        KafkaError::PartitionEOF(_) => ClientErrorAction::Ignore,
-        KafkaError::MessageConsumptionFatal(_) => ClientErrorAction::Recreate,
-        other if other.rdkafka_error_code() == Some(rdkafka::error::RDKafkaErrorCode::Fatal) => {
-            ClientErrorAction::Recreate
-        }
-        _ => ClientErrorAction::Retry,
     }
 }
 
@@ -796,83 +682,6 @@ impl Runner {
                     }
                 }
             }
-        }
-    }
-}
-
-/// Per assigned partition, the offset after the last message whose transaction committed. Only partitions
-/// currently assigned are recorded and committed: a member never commits a position for a partition
-/// another member owns (Kafka's classic group protocol accepts such a commit from any current member, and
-/// it would move the owner's committed offset backwards).
-#[derive(Default)]
-struct Offsets(std::sync::Mutex<OffsetsInner>);
-
-#[derive(Default)]
-struct OffsetsInner {
-    assigned: HashSet<(String, i32)>,
-    done: HashMap<(String, i32), i64>,
-}
-
-impl Offsets {
-    fn lock(&self) -> std::sync::MutexGuard<'_, OffsetsInner> {
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn assign(&self, partitions: &[(String, i32)]) {
-        let mut inner = self.lock();
-        for p in partitions {
-            inner.done.remove(p); // a position from an earlier ownership is stale
-            inner.assigned.insert(p.clone());
-        }
-    }
-
-    /// Forgets `partitions`; returns their last committable positions.
-    fn release(&self, partitions: &[(String, i32)]) -> TopicPartitionList {
-        let mut inner = self.lock();
-        let mut tpl = TopicPartitionList::new();
-        for p in partitions {
-            inner.assigned.remove(p);
-            if let Some(offset) = inner.done.remove(p)
-                && let Err(e) = tpl.add_partition_offset(&p.0, p.1, Offset::Offset(offset))
-            {
-                tracing::warn!(error = %e, "bad offset");
-            }
-        }
-        tpl
-    }
-
-    fn advance(&self, batch: &[Received]) {
-        let mut inner = self.lock();
-        for m in batch {
-            let key = (m.topic.clone(), m.partition);
-            if !inner.assigned.contains(&key) {
-                continue; // revoked while the batch ran: its new owner re-reads and dedups
-            }
-            let e = inner.done.entry(key).or_insert(m.offset + 1);
-            *e = (*e).max(m.offset + 1);
-        }
-    }
-
-    fn commit(&self, consumer: &StreamConsumer<RunnerContext>, mode: CommitMode) {
-        let tpl = {
-            let inner = self.lock();
-            let mut tpl = TopicPartitionList::new();
-            for ((topic, partition), offset) in &inner.done {
-                if inner.assigned.contains(&(topic.clone(), *partition))
-                    && let Err(e) = tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset))
-                {
-                    tracing::warn!(error = %e, "bad offset");
-                }
-            }
-            tpl
-        };
-        if tpl.count() == 0 {
-            return;
-        }
-        if let Err(e) = consumer.commit(&tpl, mode) {
-            // Typically a rebalance under way: the partition's owner resumes from the last commit and
-            // dedups what it sees again.
-            tracing::warn!(error = %e, "offset commit failed");
         }
     }
 }

@@ -1,0 +1,42 @@
+//! The consumer's counters and lag gauge.
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// Counters of a running consumer (Prometheus counters; register them with [`ConsumerStats::register`]).
+#[derive(Debug, Default)]
+pub struct ConsumerStats {
+    pub received: Counter,
+    pub processed: Counter,
+    pub duplicates: Counter,
+    pub dead_lettered: Counter,
+    pub batches: Counter,
+    pub transient_failures: Counter,
+    /// Errors reported by the Kafka client (transport, timeouts, rebalance); each is waited out.
+    pub kafka_errors: Counter,
+    /// Messages behind the partitions' high watermarks, from librdkafka's statistics (every 5 s).
+    pub lag: Gauge,
+}
+
+impl ConsumerStats {
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("idem_consumer");
+        r.register("messages_received", "Messages fetched from the input topic", self.received.clone());
+        r.register("events_processed", "Events applied (new event ids, committed)", self.processed.clone());
+        r.register("events_duplicate", "Events skipped as already processed (same event_id)", self.duplicates.clone());
+        r.register("messages_dead_lettered", "Messages sent to the dead-letter topic", self.dead_lettered.clone());
+        r.register("batches_committed", "Batches committed (database, then offsets)", self.batches.clone());
+        r.register(
+            "transient_failures",
+            "Batches rolled back on a transient failure and retried",
+            self.transient_failures.clone(),
+        );
+        r.register(
+            "kafka_errors",
+            "Errors reported by the Kafka client (transport, timeout, rebalance), retried with backoff",
+            self.kafka_errors.clone(),
+        );
+        r.register("lag_messages", "Consumer lag summed over assigned partitions", self.lag.clone());
+    }
+}
