@@ -19,10 +19,13 @@ pub fn uuid_v7_time(id: Uuid) -> Option<chrono::DateTime<chrono::Utc>> {
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum EventIdError {
     #[error("event_id must be a UUID")]
+    /// Not a UUID.
     Malformed,
     #[error("event_id must not be the nil UUID")]
+    /// The nil UUID.
     Nil,
     #[error("event_id must be a UUID of version 4 or 7, got version {0}")]
+    /// A UUID of another version than 4 or 7 (the version).
     UnsupportedVersion(usize),
 }
 
@@ -45,6 +48,7 @@ impl EventId {
         std::str::from_utf8(bytes).map_err(|_| EventIdError::Malformed).and_then(Self::parse)
     }
 
+    /// The id as a UUID.
     pub fn as_uuid(&self) -> Uuid {
         self.0
     }
@@ -74,8 +78,10 @@ impl fmt::Display for EventId {
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum SagaStepError {
     #[error("saga_id must be a non-nil UUID")]
+    /// The nil UUID as saga id.
     InvalidSagaId,
     #[error("step name must be 1 to 100 characters of a-z, 0-9, '_', '-' or '.'")]
+    /// An empty, too long or non-ASCII step name.
     InvalidStep,
 }
 
@@ -87,6 +93,7 @@ pub struct SagaStep {
 }
 
 impl SagaStep {
+    /// Validates a saga step.
     pub fn new(saga_id: Uuid, step: &str) -> Result<Self, SagaStepError> {
         if saga_id.is_nil() {
             return Err(SagaStepError::InvalidSagaId);
@@ -99,10 +106,12 @@ impl SagaStep {
         Ok(Self { saga_id, step: step.to_owned() })
     }
 
+    /// The saga.
     pub fn saga_id(&self) -> Uuid {
         self.saga_id
     }
 
+    /// The step's name.
     pub fn step(&self) -> &str {
         &self.step
     }

@@ -15,12 +15,16 @@ pub const MAX_KEY_LEN: usize = 255;
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum IdempotencyKeyError {
     #[error("Idempotency-Key must not be empty")]
+    /// No key, or an empty one.
     Empty,
     #[error("Idempotency-Key must be at most {MAX_KEY_LEN} characters")]
+    /// Longer than 255 characters.
     TooLong,
     #[error("Idempotency-Key must contain only printable ASCII characters (0x21-0x7E)")]
+    /// A character outside printable ASCII (0x21–0x7E).
     InvalidCharacter,
     #[error("Idempotency-Key is a malformed structured-field string")]
+    /// A structured-field string that does not end or escapes badly.
     MalformedString,
 }
 
@@ -58,6 +62,7 @@ impl IdempotencyKey {
         }
     }
 
+    /// The key as sent (bare form).
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -108,6 +113,7 @@ fn unquote_sf_string(rest: &str) -> Result<String, IdempotencyKeyError> {
 pub struct Fingerprint([u8; 32]);
 
 impl Fingerprint {
+    /// The fingerprint of a request: SHA-256 over method, route and the canonical JSON of the body (or the bytes, if not JSON).
     pub fn of_request(method: &str, route: &str, body: &[u8]) -> Self {
         let mut hasher = Sha256::new();
         hasher.update(method.to_ascii_uppercase().as_bytes());
@@ -129,10 +135,12 @@ impl Fingerprint {
         Self(hasher.finalize().into())
     }
 
+    /// A fingerprint as stored.
     pub fn from_bytes(bytes: [u8; 32]) -> Self {
         Self(bytes)
     }
 
+    /// The 32 bytes, as stored.
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0
     }

@@ -5,6 +5,8 @@
 //! call, and on no database, broker, HTTP or async-runtime crate. Time and ids come in through the
 //! [`idem_ports::Clock`] and [`idem_ports::IdGenerator`] ports.
 
+#![warn(missing_docs)]
+
 pub mod events;
 pub mod idempotency;
 pub mod money;

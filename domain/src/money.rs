@@ -16,19 +16,31 @@ pub const MAX_SCALE: u32 = 4;
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum MoneyError {
     #[error("amount must be a decimal number written as digits with an optional fraction, like \"12.34\"")]
+    /// Not a decimal string.
     Malformed,
     #[error("amount must be greater than zero")]
+    /// Zero or negative.
     NotPositive,
     #[error("amount must have at most {MAX_SCALE} decimal places")]
+    /// More than 4 decimals.
     TooPrecise,
     #[error("amount must have at most {MAX_INTEGER_DIGITS} integer digits")]
+    /// More than 15 integer digits.
     TooLarge,
     #[error("currency must be an ISO 4217 code of three upper-case letters")]
+    /// Not three upper-case letters.
     MalformedCurrency,
     #[error("currency {0} is not an ISO 4217 currency")]
+    /// Not an active ISO 4217 code with a minor unit.
     UnknownCurrency(String),
     #[error("{currency} amounts have at most {minor_units} decimal places (ISO 4217 minor units)")]
-    FinerThanMinorUnit { currency: String, minor_units: u32 },
+    /// More decimals than the currency's minor unit allows.
+    FinerThanMinorUnit {
+        /// The currency.
+        currency: String,
+        /// Its minor unit (decimals allowed).
+        minor_units: u32,
+    },
 }
 
 /// A positive amount of money, at most 15 integer digits and 4 decimal places.
@@ -104,6 +116,7 @@ pub fn format_amount(value: Decimal, currency: &str) -> String {
 pub struct Currency([u8; 3]);
 
 impl Currency {
+    /// Validates an active ISO 4217 code (superseded, fund and special codes refused).
     pub fn parse(s: &str) -> Result<Self, MoneyError> {
         let bytes: [u8; 3] = s.as_bytes().try_into().map_err(|_| MoneyError::MalformedCurrency)?;
         if !bytes.iter().all(u8::is_ascii_uppercase) {
@@ -133,6 +146,7 @@ impl Currency {
         iso_currency::Currency::from_code(self.as_str()).and_then(|c| c.exponent()).map_or(MAX_SCALE, u32::from)
     }
 
+    /// The three-letter code.
     pub fn as_str(&self) -> &str {
         // Only ASCII upper-case letters are ever stored.
         std::str::from_utf8(&self.0).unwrap_or("XXX")
@@ -148,7 +162,9 @@ impl fmt::Display for Currency {
 /// An amount in a currency, never finer than the currency's minor unit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Money {
+    /// The amount.
     pub amount: Amount,
+    /// Its currency.
     pub currency: Currency,
 }
 

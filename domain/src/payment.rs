@@ -10,15 +10,24 @@ use crate::money::Amount;
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum RefundRuleError {
     #[error("payment is {} and cannot be refunded", .0.as_str())]
+    /// The payment is not captured (or already fully refunded).
     NotRefundable(PaymentStatus),
     #[error("refund of {requested} exceeds the {remaining} left to refund")]
-    ExceedsCaptured { requested: Decimal, remaining: Decimal },
+    /// The amount is more than what is left to refund.
+    ExceedsCaptured {
+        /// The amount asked.
+        requested: Decimal,
+        /// What is left to refund.
+        remaining: Decimal,
+    },
 }
 
 /// The payment's state after a refund.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RefundPlan {
+    /// What will have been refunded after this refund.
     pub refunded_amount: Decimal,
+    /// The payment's status after this refund.
     pub status: PaymentStatus,
 }
 

@@ -32,6 +32,7 @@ pub fn admission_ceiling(now: DateTime<Utc>) -> DateTime<Utc> {
     got.as_secs()
 )]
 pub struct TtlError {
+    /// The duration given.
     pub got: Duration,
 }
 
@@ -40,10 +41,12 @@ pub struct TtlError {
 pub struct TtlPolicy(Duration);
 
 impl TtlPolicy {
+    /// A policy with `ttl`; refused outside 24–72 h.
     pub fn new(ttl: Duration) -> Result<Self, TtlError> {
         if (MIN_TTL..=MAX_TTL).contains(&ttl) { Ok(Self(ttl)) } else { Err(TtlError { got: ttl }) }
     }
 
+    /// The retention.
     pub fn ttl(&self) -> Duration {
         self.0
     }

@@ -11,7 +11,9 @@ use crate::money::Money;
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error("{field}: {reason}")]
 pub struct InvalidField {
+    /// The request field at fault.
     pub field: &'static str,
+    /// What is wrong with it.
     pub reason: String,
 }
 
@@ -83,11 +85,13 @@ impl ChargeCommand {
         &self.provider
     }
 
+    /// Records the W3C `traceparent` of the request, carried by the announcement.
     pub fn with_traceparent(mut self, traceparent: Option<String>) -> Self {
         self.traceparent = traceparent;
         self
     }
 
+    /// The order charged.
     pub fn order_id(&self) -> Uuid {
         self.order_id
     }
@@ -112,6 +116,7 @@ pub enum ChargeOutcome {
 }
 
 impl ChargeOutcome {
+    /// The payment, new or existing.
     pub fn payment(&self) -> &PaymentRecord {
         match self {
             Self::Created(p) | Self::AlreadyCharged(p) => p,
@@ -124,13 +129,20 @@ impl ChargeOutcome {
 pub enum ChargeError {
     /// A payment with the same (provider, external_payment_id) exists with other details.
     #[error("a different payment {existing} already uses this provider and external payment id")]
-    DetailsDiffer { existing: Uuid },
+    DetailsDiffer {
+        /// The existing payment.
+        existing: Uuid,
+    },
     /// Another merchant's payment already uses this (provider, external_payment_id). Uniqueness is global
     /// (the second protection of money), but nothing about the other payment may reach this merchant: the
     /// caller answers a generic conflict and records a security event.
     #[error("the provider and external payment id are taken by another merchant")]
-    TakenByAnotherMerchant { other_merchant: String },
+    TakenByAnotherMerchant {
+        /// The merchant it belongs to (for the security log, never for the client).
+        other_merchant: String,
+    },
     #[error(transparent)]
+    /// The store failed.
     Store(#[from] StoreError),
 }
 

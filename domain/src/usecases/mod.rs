@@ -17,7 +17,9 @@ use idem_ports::{Clock, IdGenerator};
 /// What use cases need besides the unit of work.
 #[derive(Clone, Copy)]
 pub struct Env<'a> {
+    /// The source of time.
     pub clock: &'a dyn Clock,
+    /// The source of ids.
     pub ids: &'a dyn IdGenerator,
     /// Topic that payment events are announced on (through the outbox).
     pub payments_topic: &'a str,

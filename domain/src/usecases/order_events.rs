@@ -26,8 +26,11 @@ use crate::wire::OrderEvent;
 /// Handles `OrderPlaced` / `OrderCancelled` events.
 #[derive(Clone)]
 pub struct OrderEventHandler {
+    /// The source of time.
     pub clock: Arc<dyn Clock>,
+    /// The source of ids.
     pub ids: Arc<dyn IdGenerator>,
+    /// Topic payment events are announced on.
     pub payments_topic: String,
     /// The merchant that payments created from order events belong to.
     pub merchant_id: String,

@@ -22,10 +22,15 @@ use crate::payment::{RefundRuleError, plan_refund};
 pub struct RefundCommand {
     /// The merchant asking; `None` for internal callers such as a saga compensation.
     pub merchant_id: Option<String>,
+    /// The payment to refund.
     pub payment_id: Uuid,
+    /// How much.
     pub amount: Amount,
+    /// Free text, validated by `refund_reason`.
     pub reason: Option<String>,
+    /// The saga the refund is a step of (compensations).
     pub saga_id: Option<Uuid>,
+    /// W3C `traceparent` of the request.
     pub traceparent: Option<String>,
 }
 
@@ -39,8 +44,10 @@ pub enum RefundError {
     #[error(transparent)]
     Amount(crate::money::MoneyError),
     #[error(transparent)]
+    /// A refund rule refused it.
     Rule(#[from] RefundRuleError),
     #[error(transparent)]
+    /// The store failed.
     Store(#[from] StoreError),
 }
 
