@@ -72,14 +72,19 @@ const CLEANER_LOCK: i64 = 0x6964_656d_636c_656e;
 /// The tables with an `expires_at`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ExpiringTable {
+    /// `idempotency_record`.
     IdempotencyRecord,
+    /// `processed_event`.
     ProcessedEvent,
+    /// `outbox_message` (published rows only).
     OutboxMessage,
 }
 
 impl ExpiringTable {
+    /// Every table the cleaner deletes from.
     pub const ALL: [Self; 3] = [Self::IdempotencyRecord, Self::ProcessedEvent, Self::OutboxMessage];
 
+    /// The table's name (a metric label).
     pub fn name(self) -> &'static str {
         match self {
             Self::IdempotencyRecord => "idempotency_record",
@@ -90,7 +95,9 @@ impl ExpiringTable {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+/// Metric labels: the table.
 pub struct TableLabels {
+    /// The table's name.
     pub table: &'static str,
 }
 
@@ -125,15 +132,22 @@ impl Default for CleanupSettings {
 /// Cleaner metrics.
 #[derive(Debug, Default)]
 pub struct CleanupStats {
+    /// Rows deleted, by table.
     pub deleted: Family<TableLabels, Counter>,
+    /// Rounds completed.
     pub rounds: Counter,
+    /// Rounds that failed.
     pub failed_rounds: Counter,
+    /// Rounds skipped (another instance held the lock).
     pub skipped_rounds: Counter,
+    /// Dedup partitions dropped.
     pub partitions_dropped: Counter,
+    /// `n_dead_tup` by table.
     pub dead_tuples: Family<TableLabels, Gauge>,
 }
 
 impl CleanupStats {
+    /// Registers the metrics under `idem_cleanup_`.
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("idem_cleanup");
         r.register("deleted_rows", "Expired rows deleted, by table", self.deleted.clone());
@@ -160,12 +174,14 @@ impl CleanupStats {
 /// Rows deleted by one round.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CleanupReport {
+    /// Rows deleted per table.
     pub deleted: Vec<(ExpiringTable, u64)>,
     /// Partitions of the partitioned dedup table dropped whole.
     pub partitions_dropped: Vec<String>,
 }
 
 impl CleanupReport {
+    /// Rows deleted in all.
     pub fn total(&self) -> u64 {
         self.deleted.iter().map(|(_, n)| n).sum()
     }
@@ -224,10 +240,12 @@ async fn delete_batch(
 }
 
 impl Cleaner {
+    /// A cleaner of `store`'s expired rows.
     pub fn new(store: PgStore, settings: CleanupSettings) -> Self {
         Self { store, settings, stats: std::sync::Arc::new(CleanupStats::default()) }
     }
 
+    /// Its metrics.
     pub fn stats(&self) -> std::sync::Arc<CleanupStats> {
         self.stats.clone()
     }

@@ -5,6 +5,8 @@
 //! Queries are compile-time checked (`query!`), with the offline data in `.sqlx/` so building needs no
 //! database.
 
+#![warn(missing_docs)]
+
 pub mod cleanup;
 mod error;
 pub mod operations;
@@ -30,6 +32,7 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 /// Pool settings.
 #[derive(Debug, Clone)]
 pub struct PoolSettings {
+    /// Most pooled connections (size it for concurrent committers: group commit needs them).
     pub max_connections: u32,
     /// How long a caller waits for a free connection before getting [`StoreError::Unavailable`].
     pub acquire_timeout: Duration,
@@ -88,6 +91,7 @@ impl PgStore {
         Ok(Self::from_pool(pool))
     }
 
+    /// A store on an existing pool (tests and benchmarks).
     pub fn from_pool(pool: PgPool) -> Self {
         Self { outbox_signal: OutboxSignal::new(pool.clone()), pool, dedup: DedupStorage::Table }
     }
@@ -103,10 +107,12 @@ impl PgStore {
         self
     }
 
+    /// Where processed events are recorded.
     pub fn dedup_storage(&self) -> DedupStorage {
         self.dedup
     }
 
+    /// The pool (for adapters' own queries and tests).
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }

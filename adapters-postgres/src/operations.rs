@@ -25,13 +25,21 @@ pub struct Health {
 /// An outbox row as an operator sees it (no payload).
 #[derive(Debug, Clone, PartialEq)]
 pub struct OutboxRow {
+    /// The row id (its `event_id`).
     pub id: Uuid,
+    /// Topic it goes to.
     pub topic: String,
+    /// The message key.
     pub key: String,
+    /// The event type.
     pub event_type: String,
+    /// When the business transaction wrote it.
     pub created_at: DateTime<Utc>,
+    /// Failed attempts so far.
     pub attempts: i32,
+    /// The broker's last refusal.
     pub last_error: Option<String>,
+    /// When it was quarantined, if it is.
     pub quarantined_at: Option<DateTime<Utc>>,
 }
 
@@ -47,27 +55,42 @@ pub enum OutboxFilter {
 /// An idempotency record as an operator sees it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KeyRecord {
+    /// The merchant.
     pub scope: String,
+    /// The key.
     pub key: String,
+    /// `in_flight` or `completed`.
     pub state: String,
     /// SHA-256 of the request (method, route, canonical body).
     pub fingerprint: Vec<u8>,
+    /// The stored status, once completed.
     pub status_code: Option<i16>,
+    /// When the key was claimed.
     pub created_at: DateTime<Utc>,
+    /// When it expires.
     pub expires_at: DateTime<Utc>,
+    /// The stored body, once completed.
     pub response_body: Option<Vec<u8>>,
 }
 
 /// One re-driven dead letter.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Redrive {
+    /// The dead-letter topic.
     pub dlq_topic: String,
+    /// Its partition.
     pub dlq_partition: i32,
+    /// Its offset.
     pub dlq_offset: i64,
+    /// The message's `event_id`, when it has a valid one.
     pub event_id: Option<Uuid>,
+    /// Where it is produced again.
     pub source_topic: String,
+    /// Why it was dead-lettered.
     pub reason: String,
+    /// Who re-drove it.
     pub by: String,
+    /// When.
     pub at: DateTime<Utc>,
     /// Admitted although older than the dedup window (applied at most once).
     pub admitted_late: bool,

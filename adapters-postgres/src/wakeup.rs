@@ -107,6 +107,7 @@ impl std::fmt::Debug for PgOutboxWakeup {
 }
 
 impl PgOutboxWakeup {
+    /// Listens on the outbox channel (a dedicated connection) and shares `store`'s in-process signal.
     pub async fn connect(store: &crate::PgStore) -> Result<Self, StoreError> {
         let mut listener = PgListener::connect_with(store.pool()).await.map_err(map_sqlx_error)?;
         listener.listen(OUTBOX_CHANNEL).await.map_err(map_sqlx_error)?;
