@@ -7,6 +7,7 @@ use rdkafka::ClientConfig;
 /// Producer settings. The producer is configured for safety first.
 #[derive(Debug, Clone)]
 pub struct ProducerSettings {
+    /// Bootstrap servers (`host:port,…`).
     pub brokers: String,
     /// How long a message may take to be acknowledged, retries included, before its delivery fails
     /// (`delivery.timeout.ms`). A failed delivery may still have been written: receivers dedup by event_id.
@@ -16,6 +17,7 @@ pub struct ProducerSettings {
 }
 
 impl ProducerSettings {
+    /// The settings idem uses, for `brokers`.
     pub fn new(brokers: &str) -> Self {
         Self {
             brokers: brokers.to_owned(),
@@ -24,6 +26,7 @@ impl ProducerSettings {
         }
     }
 
+    /// The librdkafka configuration, every setting with its reason.
     pub fn client_config(&self) -> ClientConfig {
         let mut c = ClientConfig::new();
         c.set("bootstrap.servers", &self.brokers)
@@ -51,7 +54,9 @@ impl ProducerSettings {
 /// Consumer settings.
 #[derive(Debug, Clone)]
 pub struct ConsumerSettings {
+    /// Bootstrap servers.
     pub brokers: String,
+    /// Consumer group.
     pub group_id: String,
     /// `session.timeout.ms`: how long the group waits for a silent member before rebalancing.
     pub session_timeout: Duration,
@@ -61,6 +66,7 @@ pub struct ConsumerSettings {
 }
 
 impl ConsumerSettings {
+    /// The settings idem uses, for `brokers` and `group_id`.
     pub fn new(brokers: &str, group_id: &str) -> Self {
         Self {
             brokers: brokers.to_owned(),
@@ -70,6 +76,7 @@ impl ConsumerSettings {
         }
     }
 
+    /// The librdkafka configuration (auto commit and offset store off).
     pub fn client_config(&self) -> ClientConfig {
         let mut c = ClientConfig::new();
         c.set("bootstrap.servers", &self.brokers)

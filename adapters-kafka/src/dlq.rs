@@ -26,10 +26,15 @@ pub const REDRIVEN_FROM_HEADER: &str = wire::REDRIVEN_FROM;
 /// One message of the dead-letter topic.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeadLetterMessage {
+    /// Partition in the dead-letter topic.
     pub partition: i32,
+    /// Offset there.
     pub offset: i64,
+    /// The original key.
     pub key: Option<Vec<u8>>,
+    /// The original payload.
     pub payload: Vec<u8>,
+    /// Every header: the original ones and the `dlq.*` provenance.
     pub headers: Vec<(String, Vec<u8>)>,
 }
 
@@ -39,23 +44,28 @@ impl DeadLetterMessage {
         self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned())
     }
 
+    /// `dlq.reason` (empty if absent).
     pub fn reason(&self) -> String {
         self.header(wire::dlq::REASON).unwrap_or_default()
     }
 
+    /// `dlq.original.topic`.
     pub fn source_topic(&self) -> Option<String> {
         self.header(wire::dlq::ORIGINAL_TOPIC)
     }
 
+    /// `dlq.failed.at`.
     pub fn failed_at(&self) -> Option<chrono::DateTime<chrono::Utc>> {
         let at = self.header(wire::dlq::FAILED_AT)?;
         chrono::DateTime::parse_from_rfc3339(&at).ok().map(|t| t.with_timezone(&chrono::Utc))
     }
 
+    /// The original `event_id`, when valid.
     pub fn event_id(&self) -> Option<Uuid> {
         self.header(EVENT_ID_HEADER).and_then(|v| Uuid::parse_str(&v).ok())
     }
 
+    /// `dlq.consumer.group`.
     pub fn consumer_group(&self) -> Option<String> {
         self.header(wire::dlq::CONSUMER_GROUP)
     }

@@ -3,6 +3,8 @@
 //! API boundary: [`consumer::Runner`] drives any [`idem_ports::EventHandler`]; [`relay::Relay`]
 //! publishes `outbox_message` rows. rdkafka types stay inside this crate.
 
+#![warn(missing_docs)]
+
 pub mod admin;
 pub mod client;
 pub mod consumer;

@@ -20,6 +20,7 @@ impl std::fmt::Debug for BrokerProbe {
 }
 
 impl BrokerProbe {
+    /// A probe of `brokers` (a client of its own, created once).
     pub fn new(brokers: &str) -> Result<Self, KafkaError> {
         let client: BaseConsumer = ClientConfig::new().set("bootstrap.servers", brokers).create()?;
         Ok(Self { client: Arc::new(client) })

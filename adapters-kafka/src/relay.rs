@@ -83,6 +83,7 @@ use crate::client::{ProducerSettings, breaks_session};
 /// Relay settings.
 #[derive(Debug, Clone)]
 pub struct RelaySettings {
+    /// The producer.
     pub producer: ProducerSettings,
     /// Most rows per claim.
     pub batch_size: i64,
@@ -97,6 +98,7 @@ pub struct RelaySettings {
 }
 
 impl RelaySettings {
+    /// Defaults: rounds of 2,000 rows, 4 in flight, poll every second, published rows kept 24 h, quarantine after 3 refusals.
     pub fn new(brokers: &str) -> Self {
         Self {
             producer: ProducerSettings::new(brokers),
@@ -112,8 +114,11 @@ impl RelaySettings {
 /// Metrics of a running relay (register them with [`RelayStats::register`]).
 #[derive(Debug)]
 pub struct RelayStats {
+    /// Messages published and marked.
     pub published: Counter,
+    /// Deliveries that failed.
     pub failed: Counter,
+    /// Rounds committed.
     pub rounds: Counter,
     /// Rows quarantined because the broker refuses them for good.
     pub quarantined: Counter,
@@ -134,6 +139,7 @@ impl Default for RelayStats {
 }
 
 impl RelayStats {
+    /// Registers the metrics under `idem_outbox_`.
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("idem_outbox");
         r.register("published", "Outbox messages published and marked", self.published.clone());
@@ -157,6 +163,7 @@ impl RelayStats {
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
     #[error("invalid Kafka producer configuration (fix the settings and restart): {0}")]
+    /// librdkafka refused the producer configuration.
     Config(#[from] KafkaError),
 }
 
@@ -192,10 +199,12 @@ fn record_headers(row: &OutboxRecord) -> OwnedHeaders {
 }
 
 impl Relay {
+    /// A relay publishing `tm`'s outbox rows.
     pub fn new(settings: RelaySettings, tm: Arc<dyn TransactionManager>, clock: Arc<dyn Clock>) -> Self {
         Self { settings, tm, clock, stats: Arc::new(RelayStats::default()) }
     }
 
+    /// Its metrics.
     pub fn stats(&self) -> Arc<RelayStats> {
         self.stats.clone()
     }
@@ -409,7 +418,9 @@ fn is_permanent(e: &KafkaError) -> bool {
 /// What one round did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Round {
+    /// Rows claimed.
     pub claimed: usize,
+    /// Rows whose delivery failed.
     pub failed: usize,
     /// A delivery failed with an error that ends the idempotent producer's session.
     pub session_broken: bool,

@@ -4,6 +4,7 @@
 #[derive(Debug, thiserror::Error)]
 pub enum RunnerError {
     #[error("invalid Kafka consumer configuration (fix the settings and restart): {0}")]
+    /// librdkafka refused the configuration.
     Config(rdkafka::error::KafkaError),
 }
 

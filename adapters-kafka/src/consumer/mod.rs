@@ -111,8 +111,11 @@ pub const SAGA_ID_HEADER: &str = wire::SAGA_ID;
 /// Settings of one consumer.
 #[derive(Debug, Clone)]
 pub struct RunnerSettings {
+    /// The consumer client.
     pub consumer: ConsumerSettings,
+    /// The producer of dead letters.
     pub producer: ProducerSettings,
+    /// The input topic.
     pub topic: String,
     /// Dead-letter topic (default `<topic>.dlq`).
     pub dlq_topic: String,
@@ -130,6 +133,7 @@ pub struct RunnerSettings {
 }
 
 impl RunnerSettings {
+    /// Defaults: batches of 100 or 20 ms, 3 rejections before dead-lettering, `<topic>.dlq`.
     pub fn new(brokers: &str, group_id: &str, topic: &str, dedup_ttl: TtlPolicy) -> Self {
         Self {
             consumer: ConsumerSettings::new(brokers, group_id),
@@ -253,6 +257,7 @@ enum BatchOutcome {
 }
 
 impl Runner {
+    /// A runner applying `handler` to `settings.topic` in units of work from `tm`.
     pub fn new(
         settings: RunnerSettings,
         tm: Arc<dyn TransactionManager>,
@@ -262,6 +267,7 @@ impl Runner {
         Self { settings, tm, clock, handler, stats: Arc::new(ConsumerStats::default()) }
     }
 
+    /// Its metrics.
     pub fn stats(&self) -> Arc<ConsumerStats> {
         self.stats.clone()
     }

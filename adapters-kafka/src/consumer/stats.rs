@@ -7,11 +7,17 @@ use prometheus_client::registry::Registry;
 /// Counters of a running consumer (Prometheus counters; register them with [`ConsumerStats::register`]).
 #[derive(Debug, Default)]
 pub struct ConsumerStats {
+    /// Messages fetched.
     pub received: Counter,
+    /// Events applied (new ids, committed).
     pub processed: Counter,
+    /// Events skipped as already processed.
     pub duplicates: Counter,
+    /// Messages dead-lettered.
     pub dead_lettered: Counter,
+    /// Batches committed.
     pub batches: Counter,
+    /// Batches rolled back on a transient failure.
     pub transient_failures: Counter,
     /// Errors reported by the Kafka client (transport, timeouts, rebalance); each is waited out.
     pub kafka_errors: Counter,
@@ -20,6 +26,7 @@ pub struct ConsumerStats {
 }
 
 impl ConsumerStats {
+    /// Registers the metrics under `idem_consumer_`.
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("idem_consumer");
         r.register("messages_received", "Messages fetched from the input topic", self.received.clone());
