@@ -27,11 +27,15 @@ use crate::problem::{Problem, ProblemKind};
 /// What the handlers share.
 #[derive(Clone)]
 pub struct ApiState {
+    /// Begins units of work (reads; the commands get theirs from the idempotency layer).
     pub tm: Arc<dyn TransactionManager>,
     /// The payment repositories in the unit of work the idempotency layer hands the handlers.
     pub payments_of: PaymentsOf,
+    /// The source of time.
     pub clock: Arc<dyn Clock>,
+    /// The source of ids.
     pub ids: Arc<dyn IdGenerator>,
+    /// Topic payment events are announced on.
     pub payments_topic: Arc<str>,
 }
 
@@ -50,7 +54,9 @@ impl ApiState {
 /// Errors of the API handlers; internal details are logged, never sent.
 #[derive(Debug)]
 pub enum ApiError {
+    /// A problem to answer as it is.
     Problem(Problem),
+    /// A store failure: 503 when transient, 500 otherwise.
     Store(StoreError),
 }
 

@@ -89,6 +89,7 @@ impl ApiKeys {
         self
     }
 
+    /// Whether no key is configured.
     pub fn is_empty(&self) -> bool {
         self.by_digest.is_empty()
     }

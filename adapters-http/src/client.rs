@@ -11,8 +11,11 @@ use uuid::Uuid;
 /// Retry policy.
 #[derive(Debug, Clone)]
 pub struct RetryPolicy {
+    /// Sends per operation, the first included.
     pub max_attempts: u32,
+    /// First retry delay.
     pub base_delay: Duration,
+    /// Longest retry delay.
     pub max_delay: Duration,
     /// Per-attempt timeout.
     pub timeout: Duration,
@@ -32,19 +35,26 @@ impl Default for RetryPolicy {
 /// A charge request.
 #[derive(Debug, Clone, Serialize)]
 pub struct ChargeRequest {
+    /// The order.
     pub order_id: Uuid,
+    /// The paying customer.
     pub customer_id: Uuid,
+    /// Payment provider.
     pub provider: String,
+    /// The provider's payment id.
     pub external_payment_id: String,
     /// Decimal string, for example "12.34".
     pub amount: String,
+    /// ISO 4217 code.
     pub currency: String,
 }
 
 /// What the service finally answered.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Reply {
+    /// HTTP status of the final answer.
     pub status: u16,
+    /// Its JSON body.
     pub body: Value,
     /// Whether the answer was a replay of a stored response.
     pub replayed: bool,
@@ -57,9 +67,18 @@ pub struct Reply {
 /// Why the client gave up.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    /// Every attempt failed or answered a retryable status.
     #[error("gave up after {attempts} attempts with key {key}: {last}")]
-    Exhausted { attempts: u32, key: String, last: String },
+    Exhausted {
+        /// Sends made.
+        attempts: u32,
+        /// The key they used.
+        key: String,
+        /// The last answer or error.
+        last: String,
+    },
     #[error("invalid request: {0}")]
+    /// The base URL or the API key is unusable.
     Invalid(String),
 }
 
@@ -73,6 +92,7 @@ pub struct IdemClient {
 }
 
 impl IdemClient {
+    /// A client of the service at `base`, authenticated with `api_key`.
     pub fn new(base: &str, api_key: &str, policy: RetryPolicy) -> Result<Self, ClientError> {
         let http = reqwest::Client::builder()
             .timeout(policy.timeout)

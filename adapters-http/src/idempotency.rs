@@ -90,6 +90,7 @@ pub struct IdempotencyConfig {
     pub wait: Duration,
     /// Status for a key reused with a different request: 409 (seed) or 422 (IETF draft).
     pub conflict_status: StatusCode,
+    /// Whose keys are whose (for example the authenticated merchant).
     pub scope: ScopeFn,
     /// Largest request body accepted (413 beyond).
     pub max_request_body: usize,
@@ -202,6 +203,7 @@ impl fmt::Debug for IdempotencyLayer {
 }
 
 impl IdempotencyLayer {
+    /// The layer, claiming keys in units of work from `tm`.
     pub fn new(tm: Arc<dyn TransactionManager>, clock: Arc<dyn Clock>, config: IdempotencyConfig) -> Self {
         Self {
             shared: Arc::new(Shared {
@@ -309,6 +311,7 @@ impl fmt::Debug for Tx {
 }
 
 impl Tx {
+    /// The unit of work holding the claim: write the business rows through it (or its adapter's transaction).
     pub fn uow(&mut self) -> &mut dyn UnitOfWork {
         match self.0.as_deref_mut() {
             Some(uow) => uow,

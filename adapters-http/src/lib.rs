@@ -3,6 +3,8 @@
 //! API boundary: [`router`] builds the service's router; [`IdempotencyLayer`] and its [`Tx`] extractor can
 //! be added to any axum router whose handlers write through an [`idem_ports::UnitOfWork`].
 
+#![warn(missing_docs)]
+
 pub mod api;
 pub mod auth;
 pub mod client;

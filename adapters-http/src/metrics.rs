@@ -12,19 +12,27 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+/// Labels of `idem_http_requests`.
 pub struct RequestLabels {
+    /// HTTP method.
     pub method: String,
+    /// Route template (`/payments/{id}`).
     pub route: String,
+    /// Status code.
     pub status: u16,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+/// Labels of the latency histogram.
 pub struct RouteLabels {
+    /// HTTP method.
     pub method: String,
+    /// Route template.
     pub route: String,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+/// Labels of `idem_http_idempotency_outcomes`.
 pub struct OutcomeLabels {
     /// executed, replayed, conflict, in_flight, unavailable, rejected_input, failed
     pub outcome: &'static str,
@@ -39,8 +47,11 @@ fn latency_histogram() -> Histogram {
 /// The HTTP adapter's metrics; cheap to clone (shared counters).
 #[derive(Debug, Clone)]
 pub struct HttpMetrics {
+    /// Requests by method, route and status.
     pub requests: Family<RequestLabels, Counter>,
+    /// Latency by route.
     pub duration: Histograms,
+    /// What the idempotency layer did.
     pub idempotency: Family<OutcomeLabels, Counter>,
 }
 
@@ -55,6 +66,7 @@ impl Default for HttpMetrics {
 }
 
 impl HttpMetrics {
+    /// Registers the metrics under `idem_http_`.
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("idem_http");
         r.register("requests", "HTTP requests by method, route and status", self.requests.clone());
@@ -66,6 +78,7 @@ impl HttpMetrics {
         );
     }
 
+    /// Counts one idempotency outcome.
     pub fn outcome(&self, outcome: &'static str) {
         self.idempotency.get_or_create(&OutcomeLabels { outcome }).inc();
     }

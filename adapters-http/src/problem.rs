@@ -10,25 +10,45 @@ pub const PROBLEM_JSON: &str = "application/problem+json";
 /// The kinds of error the API answers with. Each has a stable `type` URI clients may match on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProblemKind {
+    /// 401: missing or unknown API key.
     Unauthorized,
+    /// 400: no `Idempotency-Key`.
     IdempotencyKeyMissing,
+    /// 400: an invalid `Idempotency-Key`.
     IdempotencyKeyInvalid,
+    /// 409 (or 422): the key was used with another request.
     IdempotencyKeyReused,
+    /// 422: a UUID v7 key older than the retention.
     IdempotencyKeyExpired,
+    /// 409: a request with the key is in flight.
     RequestInFlight,
+    /// 503: the database is unreachable.
     StoreUnavailable,
+    /// 503: the commit's outcome is unknown.
     OutcomeUnknown,
+    /// 429: too many requests of this merchant in progress.
     TooManyRequests,
+    /// 413: body too large.
     PayloadTooLarge,
+    /// 415: not JSON.
     UnsupportedMediaType,
+    /// 400: malformed JSON.
     MalformedJson,
+    /// 422: a field is missing or invalid.
     InvalidField,
+    /// 404.
     NotFound,
+    /// 405.
     MethodNotAllowed,
+    /// 409: the provider payment id belongs to another payment.
     PaymentConflict,
+    /// 409: more than is left to refund.
     RefundExceedsCaptured,
+    /// 409: the payment cannot be refunded.
     RefundNotAllowed,
+    /// 409: a refund finer than the payment's currency.
     AmountFinerThanCurrency,
+    /// 500.
     Internal,
 }
 
@@ -161,16 +181,19 @@ impl Problem {
         self
     }
 
+    /// Sets `detail`.
     pub fn detail(mut self, detail: impl Into<String>) -> Self {
         self.detail = Some(detail.into());
         self
     }
 
+    /// Sets `field`: the request field at fault.
     pub fn field(mut self, field: impl Into<String>) -> Self {
         self.field = Some(field.into());
         self
     }
 
+    /// Adds `Retry-After: secs`.
     pub fn retry_after(mut self, secs: u32) -> Self {
         self.retry_after_secs = Some(secs);
         self
@@ -183,10 +206,12 @@ impl Problem {
         self
     }
 
+    /// The kind, when one of idem's.
     pub fn kind(&self) -> Option<ProblemKind> {
         self.kind
     }
 
+    /// The HTTP status.
     pub fn status(&self) -> StatusCode {
         StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
     }
