@@ -10,6 +10,8 @@
 //! - [`MIGRATOR`] holds the ledger's migration; [`PgStore::migrate_with`] installs idem's tables and the
 //!   ledger's in the same database.
 
+#![warn(missing_docs)]
+
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -52,9 +54,13 @@ pub struct CreditRequest {
 /// Answer of a credit.
 #[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Credit {
+    /// The new ledger entry.
     pub entry_id: Uuid,
+    /// The credited account.
     pub account: String,
+    /// The amount credited.
     pub amount: String,
+    /// The account's balance after it.
     pub balance: String,
 }
 

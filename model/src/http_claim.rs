@@ -47,14 +47,18 @@ pub enum HttpVariant {
 /// One client: a scope, a request, and how many times it sends it (its retries reuse the key).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Client {
+    /// Its merchant.
     pub scope: Scope,
+    /// Its request body.
     pub request: Request,
 }
 
 /// The model: clients sharing one key, and the bounds that keep the state space finite.
 #[derive(Clone, Debug)]
 pub struct ClaimProtocol {
+    /// The clients, all on one key.
     pub clients: Vec<Client>,
+    /// The protocol or a broken variant.
     pub variant: HttpVariant,
     /// Sends per client (the first plus retries after a crash or a 409 in flight).
     pub attempts: u8,
@@ -65,21 +69,29 @@ pub struct ClaimProtocol {
 /// An effect (a payment) committed by attempt `attempt` of client `client`. It is also the response body.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Effect {
+    /// The client that committed it.
     pub client: u8,
+    /// Which of its sends.
     pub attempt: u8,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// A record's state.
 pub enum RecordState {
+    /// Claimed, not completed (idem never commits this state).
     InFlight,
+    /// Completed with the response of this effect.
     Completed(Effect),
 }
 
 /// An idempotency record as stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Record {
+    /// The request it was claimed for.
     pub request: Request,
+    /// In flight or completed.
     pub state: RecordState,
+    /// Past its expiry.
     pub expired: bool,
 }
 
@@ -101,22 +113,29 @@ pub enum Phase {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// One client's progress.
 pub struct ClientState {
+    /// Where its current send is.
     pub phase: Phase,
+    /// Which send (0-based).
     pub attempt: u8,
 }
 
 /// What a client was answered with an effect in it: executed (first answer) or replayed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Answer {
+    /// The client answered.
     pub client: u8,
     /// The retention period (see [`HttpState::epoch`]) in which it was answered.
     pub epoch: u8,
+    /// The effect in the answer.
     pub effect: Effect,
+    /// Whether it was a replay.
     pub replayed: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// The whole system: committed rows, open transactions, clients, answers.
 pub struct HttpState {
     /// Committed records, by record slot (the scope; always 0 in [`HttpVariant::UnscopedRecord`]).
     pub records: BTreeMap<Scope, Record>,
@@ -126,21 +145,32 @@ pub struct HttpState {
     pub locks: BTreeMap<Scope, u8>,
     /// Committed effects: (scope, epoch, effect).
     pub effects: Vec<(Scope, u8, Effect)>,
+    /// Each client's progress.
     pub clients: Vec<ClientState>,
+    /// Answers with an effect, in order.
     pub answers: Vec<Answer>,
+    /// Expiries so far, per slot.
     pub expiries: BTreeMap<Scope, u8>,
 }
 
 /// The steps; each names the client (or the scope) it acts on.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Action {
+    /// `IdempotencyRepository::claim` + `decide` for a client.
     Claim(u8),
+    /// The claim's lock wait timed out (409 in flight).
     LockTimeout(u8),
+    /// The handler's business writes.
     Handler(u8),
+    /// `IdempotencyRepository::complete`.
     Complete(u8),
+    /// `UnitOfWork::commit`.
     Commit(u8),
+    /// The process dies: rollback, the client retries.
     Crash(u8),
+    /// A completed record passes `expires_at`.
     Expire(Scope),
+    /// The cleaner deletes an expired record.
     Cleanup(Scope),
 }
 

@@ -33,6 +33,7 @@ pub type OutputId = u8;
 /// The protocol checked, or a deliberately broken variant of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KafkaVariant {
+    /// idem's protocol.
     Idem,
     /// Offsets committed before the database transaction (ack first, then process).
     OffsetsBeforeDbCommit,
@@ -47,17 +48,22 @@ pub enum KafkaVariant {
 }
 
 #[derive(Clone, Debug)]
+/// The model: the input log, the members, the variant, the fault budget.
 pub struct InboxOutbox {
     /// The partition's events, by offset.
     pub log: Vec<EventId>,
+    /// Consumer group members.
     pub members: u8,
+    /// The protocol or a broken variant.
     pub variant: KafkaVariant,
     /// Crashes, evictions, rebalances, relay crashes and passed windows, in total.
     pub faults: u8,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// Where a member's batch is.
 pub enum MemberPhase {
+    /// Between batches.
     Idle,
     /// Read the message at this offset.
     Polled(u8),
@@ -68,7 +74,9 @@ pub enum MemberPhase {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// One group member.
 pub struct Member {
+    /// Its batch.
     pub phase: MemberPhase,
     /// Next offset to read (meaningful while it owns the partition).
     pub position: u8,
@@ -79,26 +87,39 @@ pub struct Member {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// An outbox row.
 pub struct Row {
+    /// The input event it announces.
     pub event: EventId,
+    /// Its `event_id`.
     pub id: OutputId,
+    /// Marked published.
     pub published: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// Where the relay's round is.
 pub enum RelayPhase {
+    /// Between rounds.
     Idle,
+    /// Claimed this row.
     Claimed(u8),
+    /// Published this row, not marked yet.
     Published(u8),
     /// Variant [`KafkaVariant::MarkBeforeDeliveryReport`]: marked and committed, not yet sent.
     Marked(u8),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// The whole system.
 pub struct KafkaState {
+    /// Which member owns the partition.
     pub owner: Option<u8>,
+    /// The members.
     pub members: Vec<Member>,
+    /// The group's committed offset.
     pub committed: u8,
+    /// Set when a commit moved the offset back.
     pub offset_regressed: bool,
     /// `processed_event` rows.
     pub processed: BTreeSet<EventId>,
@@ -106,29 +127,48 @@ pub struct KafkaState {
     pub aged: BTreeSet<EventId>,
     /// State changes, one entry per application of an event.
     pub changes: Vec<EventId>,
+    /// Events dead-lettered.
     pub dead_letters: BTreeSet<EventId>,
+    /// Outbox rows.
     pub outbox: Vec<Row>,
+    /// Next outbox id.
     pub next_id: OutputId,
+    /// The relay.
     pub relay: RelayPhase,
     /// Output messages on the topic: (input event, event_id).
     pub output: BTreeSet<(EventId, OutputId)>,
+    /// Faults left.
     pub faults: u8,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// The steps.
 pub enum Action {
+    /// `Runner::next_batch` of a member.
     Poll(u8),
+    /// `Runner::process` (one transaction).
     Process(u8),
+    /// `Offsets::advance` + `Offsets::commit`.
     CommitOffsets(u8),
+    /// A cooperative rebalance to this member.
     Rebalance(u8),
+    /// The coordinator evicts this member mid-batch.
     Evict(u8),
+    /// The evicted member polls again.
     Rejoin(u8),
+    /// `Offsets::commit` for another partition's batch.
     CommitOtherPartitions(u8),
+    /// The member's process dies.
     Crash(u8),
+    /// Time passes the event's dedup window.
     PassDedupWindow(EventId),
+    /// `claim_unpublished`.
     Claim,
+    /// Send and wait for the delivery report.
     Publish,
+    /// `mark_published` + commit.
     Mark,
+    /// The relay's process dies.
     RelayCrash,
 }
 

@@ -11,5 +11,7 @@
 //! least one broken variant (so it can fail). The state spaces are bounded (a few clients, one key, one
 //! partition, a fault budget); what the models leave out is listed in the README.
 
+#![warn(missing_docs)]
+
 pub mod http_claim;
 pub mod inbox_outbox;
