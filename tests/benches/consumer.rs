@@ -18,7 +18,11 @@ use common::{env_or, fresh_store};
 use idem_domain::TtlPolicy;
 use idem_domain::usecases::OrderEventHandler;
 use idem_kafka::consumer::{Runner, RunnerSettings};
-use idem_ports::{EventHandler, HandlerError, InboundEvent, ProcessedEvent, SystemClock, UnitOfWork, UuidV7Generator};
+use idem_ports::{
+    EventHandler, HandlerError, IdempotencyRepository, InboundEvent, OutboxRepository, ProcessedEvent,
+    ProcessedEventRepository, SagaStepRepository, StoreError, SystemClock, TransactionManager, UnitOfWork,
+    UuidV7Generator,
+};
 use idem_tests::kafka::{create_topic, produce, producer, unique_topic};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -81,6 +85,76 @@ async fn fill_topic(brokers: &str, messages: usize) -> anyhow::Result<String> {
     Ok(topic)
 }
 
+/// Baseline (c): the same units of work with the processed-event bookkeeping taken out (every event is
+/// "new", nothing is written). It lives here, in the benchmark: the consumer runner itself has no switch
+/// to turn dedup off.
+struct NoDedup(idem_postgres::PgStore);
+
+struct NoDedupUow(Box<dyn UnitOfWork>, NothingRecorded);
+
+struct NothingRecorded;
+
+#[async_trait]
+impl TransactionManager for NoDedup {
+    async fn begin(&self) -> Result<Box<dyn UnitOfWork>, StoreError> {
+        Ok(Box::new(NoDedupUow(self.0.begin().await?, NothingRecorded)))
+    }
+}
+
+#[async_trait]
+impl ProcessedEventRepository for NothingRecorded {
+    async fn record_new(
+        &mut self,
+        _consumer: &str,
+        events: &[ProcessedEvent],
+        _created_at: chrono::DateTime<chrono::Utc>,
+        _expires_at: chrono::DateTime<chrono::Utc>,
+    ) -> Result<Vec<Uuid>, StoreError> {
+        let mut ids: Vec<Uuid> = events.iter().map(|e| e.event_id).collect();
+        ids.dedup();
+        Ok(ids)
+    }
+    async fn is_processed(&mut self, _consumer: &str, _event_id: Uuid) -> Result<bool, StoreError> {
+        Ok(false)
+    }
+    async fn late_admitted(&mut self, _consumer: &str, _ids: &[Uuid]) -> Result<Vec<Uuid>, StoreError> {
+        Ok(Vec::new())
+    }
+    async fn apply_late_admission(
+        &mut self,
+        _consumer: &str,
+        _event_id: Uuid,
+        _now: chrono::DateTime<chrono::Utc>,
+    ) -> Result<bool, StoreError> {
+        Ok(false)
+    }
+}
+
+#[async_trait]
+impl UnitOfWork for NoDedupUow {
+    fn idempotency(&mut self) -> &mut dyn IdempotencyRepository {
+        self.0.idempotency()
+    }
+    fn processed_events(&mut self) -> &mut dyn ProcessedEventRepository {
+        &mut self.1
+    }
+    fn outbox(&mut self) -> &mut dyn OutboxRepository {
+        self.0.outbox()
+    }
+    fn saga_steps(&mut self) -> &mut dyn SagaStepRepository {
+        self.0.saga_steps()
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self.0.as_any_mut()
+    }
+    async fn commit(self: Box<Self>) -> Result<(), StoreError> {
+        self.0.commit().await
+    }
+    async fn rollback(self: Box<Self>) -> Result<(), StoreError> {
+        self.0.rollback().await
+    }
+}
+
 async fn measure(
     name: &str,
     admin: &str,
@@ -95,8 +169,9 @@ async fn measure(
     let mut settings = RunnerSettings::new(brokers, GROUP, &topic, TtlPolicy::new(Duration::from_secs(72 * 3600))?);
     settings.consumer.session_timeout = Duration::from_millis(6000);
     settings.batch_size = batch;
-    settings.dedup = dedup;
-    let runner = Runner::new(settings, Arc::new(store.clone()), Arc::new(SystemClock), handler);
+    let tm: Arc<dyn TransactionManager> =
+        if dedup { Arc::new(store.clone()) } else { Arc::new(NoDedup(store.clone())) };
+    let runner = Runner::new(settings, tm, Arc::new(SystemClock), handler);
     let stats = runner.stats();
     let stop = CancellationToken::new();
     let task = tokio::spawn(runner.run(stop.clone()));

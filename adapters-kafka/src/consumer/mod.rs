@@ -127,9 +127,6 @@ pub struct RunnerSettings {
     pub max_rejections: u32,
     /// Retention of processed-event rows.
     pub dedup_ttl: TtlPolicy,
-    /// `false` skips the processed_event bookkeeping: only for measuring what dedup costs (a baseline),
-    /// never for a real consumer.
-    pub dedup: bool,
 }
 
 impl RunnerSettings {
@@ -144,7 +141,6 @@ impl RunnerSettings {
             batch_timeout: Duration::from_millis(20),
             max_rejections: 3,
             dedup_ttl,
-            dedup: true,
         }
     }
 }
@@ -411,8 +407,8 @@ impl Runner {
                 // Ids without a time (v4) have no age to check: they are retained by processing time.
                 Ok(e) => match idem_domain::uuid_v7_time(e.event_id) {
                     // Its dedup row may already be gone: applying it could apply it twice.
-                    Some(t) if self.settings.dedup && t < floor => too_old.push((m, e, t)),
-                    Some(t) if self.settings.dedup && t > ceiling => dead.push(DeadLetter {
+                    Some(t) if t < floor => too_old.push((m, e, t)),
+                    Some(t) if t > ceiling => dead.push(DeadLetter {
                         message: m.clone(),
                         reason: FUTURE_DATED,
                         error: format!(
@@ -597,11 +593,9 @@ impl Runner {
                 }
             }
             Ok(admitted)
-        } else if self.settings.dedup {
+        } else {
             let expires = self.settings.dedup_ttl.expires_at(now);
             uow.processed_events().record_new(consumer, &rows, now, expires).await
-        } else {
-            Ok(rows.iter().map(|r| r.event_id).collect())
         };
         let fresh: HashSet<Uuid> = match recorded {
             Ok(ids) => ids.into_iter().collect(),

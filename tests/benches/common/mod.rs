@@ -95,7 +95,15 @@ impl Drop for Service {
 
 /// Starts `idem serve` from `bin` on `port` against `db_url` and waits until it answers.
 pub async fn start_service(bin: &str, db_url: &str, port: u16, layer: &str) -> anyhow::Result<Service> {
-    let child = std::process::Command::new(bin)
+    let mut cmd = std::process::Command::new(bin);
+    // BENCH_SERVICE_ENV="K=V K2=V2": extra environment for the service only (for example
+    // TOKIO_WORKER_THREADS=1), so a setting can be measured without touching the load generator.
+    for pair in std::env::var("BENCH_SERVICE_ENV").unwrap_or_default().split_whitespace() {
+        if let Some((k, v)) = pair.split_once('=') {
+            cmd.env(k, v);
+        }
+    }
+    let child = cmd
         .arg("serve")
         .env("DATABASE_URL", db_url)
         .env("HTTP_ADDR", format!("127.0.0.1:{port}"))
