@@ -50,13 +50,14 @@ async fn admin_url() -> anyhow::Result<String> {
         .cloned()
 }
 
-/// Drops per-test databases left by runs that ended more than two hours ago.
+/// Drops per-test databases created more than 30 minutes ago (no test runs that long: nextest ends a test
+/// after 6 minutes). Hundreds of leftover databases keep autovacuum busy and skew the benchmarks.
 async fn drop_stale_databases(admin: &str) -> anyhow::Result<()> {
     let mut conn = sqlx::PgConnection::connect(admin).await.context("connecting to PostgreSQL")?;
     let names: Vec<String> = sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE 'idem\\_test\\_%'")
         .fetch_all(&mut conn)
         .await?;
-    let cutoff = unix_now().saturating_sub(2 * 3600);
+    let cutoff = unix_now().saturating_sub(30 * 60);
     for name in names {
         let created = name
             .strip_prefix(DB_PREFIX)
