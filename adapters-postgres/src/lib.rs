@@ -133,13 +133,13 @@ impl PgStore {
         sqlx::query("SET statement_timeout = 0").execute(&mut *conn).await.map_err(map_sqlx_error)?;
         let mut result = Ok(());
         for migrations in std::iter::once(&*MIGRATOR.migrations).chain(application.map(|m| &*m.migrations)) {
-            let mut migrator = sqlx::migrate::Migrator {
+            // each migrator ignores the other's entries in the shared _sqlx_migrations table
+            let migrator = sqlx::migrate::Migrator {
                 migrations: std::borrow::Cow::Owned(migrations.to_vec()),
                 ignore_missing: true,
                 locking: true,
                 no_tx: false,
             };
-            migrator.set_ignore_missing(true);
             result = migrator.run(&mut *conn).await.map_err(|e| StoreError::Other(format!("migration failed: {e}")));
             if result.is_err() {
                 break;
