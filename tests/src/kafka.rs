@@ -188,10 +188,7 @@ impl ProxiedBroker {
         let bin = tansu_bin();
         anyhow::ensure!(bin.exists(), "tansu binary not found at {} (run scripts/services.sh)", bin.display());
         let proxy_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let broker_port = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-            l.local_addr()?.port()
-        };
+        let broker_port = crate::port_for_child();
         let proxy_addr = proxy_listener.local_addr()?;
         let child = std::process::Command::new(bin)
             .arg("broker")

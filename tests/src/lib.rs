@@ -177,6 +177,25 @@ mod containers {
     }
 }
 
+/// A loopback port for a child process to listen on. It lies below the kernel's ephemeral range: a port
+/// from `bind(0)` goes back to that range when the probe closes, the next outgoing connection of any
+/// process may take it, and the child's bind then fails. Ports here are only taken by listeners, and the
+/// probe checks that none holds it.
+pub fn port_for_child() -> u16 {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let low = ephemeral_low.saturating_sub(12_000).max(1024);
+    let span = u128::from(ephemeral_low - low);
+    loop {
+        let port = low + (uuid::Uuid::new_v4().as_u128() % span) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+}
+
 /// Serves `router` on a random loopback port until the test process ends; returns its base URL.
 pub async fn serve(router: axum::Router) -> anyhow::Result<String> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

@@ -45,8 +45,7 @@ pub struct Service {
 impl Service {
     /// Environment for a service on `db` and `brokers` with fresh topics and group.
     pub fn new(database_url: &str, brokers: &str) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let admin_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let (port, admin_port) = (idem_tests::port_for_child(), idem_tests::port_for_child());
         let orders_topic = unique_topic("f-orders");
         let payments_topic = unique_topic("f-payments");
         let group = unique_topic("f-group");
@@ -96,23 +95,40 @@ impl Service {
 
     pub async fn start(&mut self) -> anyhow::Result<()> {
         let mut cmd = Command::new(idem_bin());
-        cmd.arg("serve").stdout(Stdio::null()).stderr(if std::env::var_os("FAULTS_LOG").is_some() {
+        // stderr goes to a log file (or the terminal with FAULTS_LOG) so a start that fails can say why
+        let log = std::env::temp_dir().join(format!("idem-faults-{}.log", Uuid::now_v7()));
+        let stderr = if std::env::var_os("FAULTS_LOG").is_some() {
             Stdio::inherit()
         } else {
-            Stdio::null()
-        });
+            Stdio::from(std::fs::File::create(&log)?)
+        };
+        cmd.arg("serve").stdout(Stdio::null()).stderr(stderr);
         for (k, v) in &self.env {
             cmd.env(k, v);
         }
         self.child = Some(cmd.spawn()?);
         let http = reqwest::Client::new();
-        for _ in 0..300 {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let exited = loop {
             if http.get(format!("{}/healthz", self.base)).send().await.is_ok() {
+                let _ = std::fs::remove_file(&log);
                 return Ok(());
             }
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                break Some(status);
+            }
+            if tokio::time::Instant::now() > deadline {
+                break None;
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let tail: Vec<String> = std::fs::read_to_string(&log).unwrap_or_default().lines().map(str::to_owned).collect();
+        let tail = tail[tail.len().saturating_sub(20)..].join("\n");
+        let _ = std::fs::remove_file(&log);
+        match exited {
+            Some(status) => anyhow::bail!("idem exited before listening ({status}); its log ends:\n{tail}"),
+            None => anyhow::bail!("idem did not listen within 60 s; its log ends:\n{tail}"),
         }
-        anyhow::bail!("idem did not come up")
     }
 
     /// Whether the process is still running.
