@@ -75,7 +75,7 @@ use prometheus_client::registry::Registry;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use tokio::sync::{RwLock, watch};
+use tokio::sync::{Notify, RwLock};
 use tokio_util::sync::CancellationToken;
 
 use crate::client::{ProducerSettings, breaks_session};
@@ -89,6 +89,9 @@ pub struct RelaySettings {
     pub batch_size: i64,
     /// Polling fallback when no notification arrives.
     pub poll_interval: Duration,
+    /// Shortest time between two claims started by wake-ups: commits arriving meanwhile are served by
+    /// one claim. A full claim is followed at once, whatever this says.
+    pub min_claim_interval: Duration,
     /// How long published rows are kept before cleanup deletes them.
     pub retention: Duration,
     /// Rounds in flight at once (each claims distinct keys).
@@ -98,12 +101,14 @@ pub struct RelaySettings {
 }
 
 impl RelaySettings {
-    /// Defaults: rounds of 2,000 rows, 4 in flight, poll every second, published rows kept 24 h, quarantine after 3 refusals.
+    /// Defaults: rounds of 2,000 rows, 4 in flight, at most one wake-up claim per 5 ms, poll every second,
+    /// published rows kept 24 h, quarantine after 3 refusals.
     pub fn new(brokers: &str) -> Self {
         Self {
             producer: ProducerSettings::new(brokers),
             batch_size: 2000,
             poll_interval: Duration::from_secs(1),
+            min_claim_interval: Duration::from_millis(5),
             retention: Duration::from_secs(24 * 3600),
             concurrency: 4,
             quarantine_after: 3,
@@ -120,6 +125,8 @@ pub struct RelayStats {
     pub failed: Counter,
     /// Rounds committed.
     pub rounds: Counter,
+    /// Claims run, including those that found nothing to publish.
+    pub claims: Counter,
     /// Rows quarantined because the broker refuses them for good.
     pub quarantined: Counter,
     /// Seconds from a row's creation (its transaction) to the relay's mark after the broker's ack.
@@ -132,6 +139,7 @@ impl Default for RelayStats {
             published: Counter::default(),
             failed: Counter::default(),
             rounds: Counter::default(),
+            claims: Counter::default(),
             quarantined: Counter::default(),
             publish_latency: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
         }
@@ -145,6 +153,7 @@ impl RelayStats {
         r.register("published", "Outbox messages published and marked", self.published.clone());
         r.register("publish_failures", "Outbox messages whose delivery failed (left unpublished)", self.failed.clone());
         r.register("rounds", "Claim-publish-mark rounds committed", self.rounds.clone());
+        r.register("claims", "Claims of unpublished rows, including those that found none", self.claims.clone());
         r.register(
             "quarantined",
             "Outbox rows quarantined because the broker refuses them for good",
@@ -211,24 +220,43 @@ impl Relay {
 
     /// Relays until `shutdown`; finishes the rounds in hand first.
     ///
-    /// `concurrency` workers claim and publish at once. They never share a key (the claim takes a
-    /// transaction-scoped lock per key), so a key's next round starts only after its previous round was
-    /// acknowledged and committed: per-key order holds while rounds overlap their broker round trips.
+    /// `concurrency` workers claim and publish at once. They never share a key (a claim locks the key
+    /// shards it takes), so a key's next round starts only after its previous round was acknowledged and
+    /// committed: per-key order holds while rounds overlap their broker round trips.
+    ///
+    /// **Who claims when.** A wake-up (a commit, a notification, the poll) starts one claim, by one idle
+    /// worker, at most once per `min_claim_interval`: every commit in between is served by that claim.
+    /// A full claim means more are waiting: its worker claims again at once and wakes another worker, so
+    /// a backlog drains with every worker. A partial claim asks for one follow-up claim (through the same
+    /// throttle): rows it skipped because another round held their shard are claimed after that round
+    /// committed, and that round, not being empty, asks for its own follow-up. An empty claim asks for
+    /// nothing. (Before, every wake-up woke every worker and each claimed: under a stream of commits most
+    /// claims found nothing or one row, and the relay cost the database more statements than the charges.)
     pub async fn run(self, mut wakeup: Box<dyn OutboxWakeup>, shutdown: CancellationToken) -> Result<(), RelayError> {
         let producer = RwLock::new(self.settings.producer.client_config().create::<FutureProducer>()?);
-        // Every wake-up bumps the version; a worker that saw an older version before its round claims again.
-        let (notify, _) = watch::channel(0u64);
+        let claim = Notify::new();
+        let follow_up = Notify::new();
         tracing::info!(batch = self.settings.batch_size, workers = self.settings.concurrency, "outbox relay started");
         let listen = async {
+            let mut last_claim: Option<tokio::time::Instant> = None;
             while !shutdown.is_cancelled() {
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
-                    _ = wakeup.wait(self.settings.poll_interval) => notify.send_modify(|v| *v += 1),
+                    _ = wakeup.wait(self.settings.poll_interval) => {}
+                    _ = follow_up.notified() => {}
                 }
+                if let Some(next) = last_claim.map(|at| at + self.settings.min_claim_interval) {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep_until(next) => {}
+                    }
+                }
+                last_claim = Some(tokio::time::Instant::now());
+                claim.notify_one();
             }
-            notify.send_modify(|v| *v += 1);
         };
-        let workers = (0..self.settings.concurrency.max(1)).map(|_| self.worker(&producer, &notify, &shutdown));
+        let workers =
+            (0..self.settings.concurrency.max(1)).map(|_| self.worker(&producer, &claim, &follow_up, &shutdown));
         let (_, results) = tokio::join!(listen, futures::future::join_all(workers));
         let producer = producer.into_inner();
         let _ = producer.flush(Duration::from_secs(5));
@@ -239,27 +267,31 @@ impl Relay {
     async fn worker(
         &self,
         producer: &RwLock<FutureProducer>,
-        notify: &watch::Sender<u64>,
+        claim: &Notify,
+        follow_up: &Notify,
         shutdown: &CancellationToken,
     ) -> Result<(), RelayError> {
         // 100 ms doubling to 5 s between failed rounds
         let mut backoff = idem_ports::Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
-        let mut woken = notify.subscribe();
+        let mut wanted = false;
         while !shutdown.is_cancelled() {
-            woken.mark_unchanged();
+            if !wanted {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = claim.notified() => {}
+                }
+            }
+            wanted = false;
             let current = producer.read().await.clone();
             let pause = match self.round(&current).await {
                 Ok(round) if round.failed == 0 => {
                     backoff.reset();
                     if round.claimed as i64 >= self.settings.batch_size {
-                        continue; // more are waiting
-                    }
-                    // A partial claim: rows of shards other rounds held are theirs, or the next wake-up's.
-                    // Every worker wakes on each signal, so together they cover all the shards.
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = woken.changed() => {}
-                        _ = tokio::time::sleep(self.settings.poll_interval) => {}
+                        // more are waiting: claim again, and let another worker join
+                        claim.notify_one();
+                        wanted = true;
+                    } else if round.claimed > 0 {
+                        follow_up.notify_one();
                     }
                     continue;
                 }
@@ -289,10 +321,12 @@ impl Relay {
                     backoff.next_delay()
                 }
             };
+            // the rows stay unpublished: this worker retries them after the pause
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 _ = tokio::time::sleep(pause) => {}
             }
+            wanted = true;
         }
         Ok(())
     }
@@ -301,6 +335,7 @@ impl Relay {
     pub async fn round(&self, producer: &FutureProducer) -> Result<Round, StoreError> {
         let mut uow = self.tm.begin().await?;
         let rows = uow.outbox().claim_unpublished(self.settings.batch_size).await?;
+        self.stats.claims.inc();
         if rows.is_empty() {
             return Ok(Round { claimed: 0, failed: 0, session_broken: false });
         }

@@ -21,7 +21,7 @@ use idem_ports::{
     ProjectionRepository, SagaStepRepository, StoreError, TransactionManager, UnitOfWork,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::{Connection, PgPool, Postgres, Transaction};
 
 pub use error::{is_transient_sqlstate, map_sqlx_error};
 pub use wakeup::{NOTIFY_DEBOUNCE, OUTBOX_CHANNEL, OutboxSignal, PgOutboxWakeup};
@@ -41,6 +41,11 @@ pub struct PoolSettings {
     /// `idle_in_transaction_session_timeout`: a transaction left open and idle (a stuck caller) is ended
     /// by the server and its connection freed. Longer than the relay's wait for delivery reports.
     pub idle_in_transaction_timeout: Duration,
+    /// A connection handed out after resting in the pool longer than this is pinged first (one round
+    /// trip), so one that died while idle (server restart, a proxy's idle timeout) is replaced before use.
+    /// One back sooner is handed out as is: under load every transaction would otherwise pay a round trip
+    /// (sqlx's `test_before_acquire` pings on every acquire; a charge is six round trips without it).
+    pub ping_after_idle: Duration,
 }
 
 impl Default for PoolSettings {
@@ -50,6 +55,7 @@ impl Default for PoolSettings {
             acquire_timeout: Duration::from_secs(5),
             statement_timeout: Duration::from_secs(30),
             idle_in_transaction_timeout: Duration::from_secs(60),
+            ping_after_idle: Duration::from_secs(1),
         }
     }
 }
@@ -82,9 +88,19 @@ impl PgStore {
             ("statement_timeout", format!("{}ms", settings.statement_timeout.as_millis())),
             ("idle_in_transaction_session_timeout", format!("{}ms", settings.idle_in_transaction_timeout.as_millis())),
         ]);
+        let ping_after_idle = settings.ping_after_idle;
         let pool = PgPoolOptions::new()
             .max_connections(settings.max_connections)
             .acquire_timeout(settings.acquire_timeout)
+            .test_before_acquire(false)
+            .before_acquire(move |conn, meta| {
+                Box::pin(async move {
+                    if meta.idle_for > ping_after_idle {
+                        conn.ping().await?;
+                    }
+                    Ok(true)
+                })
+            })
             .connect_with(options)
             .await
             .map_err(map_sqlx_error)?;

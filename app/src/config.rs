@@ -119,6 +119,9 @@ pub struct RelayArgs {
     /// Polling fallback of the relay when no NOTIFY arrives.
     #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub outbox_poll_interval: Duration,
+    /// Shortest time between two relay claims started by commits: one claim serves every commit in between.
+    #[arg(long, env = "OUTBOX_MIN_CLAIM_INTERVAL", default_value = "5ms", value_parser = parse_duration)]
+    pub outbox_min_claim_interval: Duration,
     /// Outbox rounds in flight at once (each claims distinct keys, so per-key order holds).
     #[arg(long, env = "OUTBOX_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub outbox_concurrency: u32,

@@ -30,6 +30,7 @@ fn relay_settings(kafka: &KafkaArgs, relay: &RelayArgs) -> RelaySettings {
     let mut settings = RelaySettings::new(&kafka.kafka_brokers);
     settings.batch_size = relay.outbox_batch_size;
     settings.poll_interval = relay.outbox_poll_interval;
+    settings.min_claim_interval = relay.outbox_min_claim_interval;
     settings.retention = relay.outbox_retention;
     settings.concurrency = relay.outbox_concurrency as usize;
     settings

@@ -29,6 +29,20 @@ fn charge_body() -> String {
     .to_string()
 }
 
+/// Relay claims, relay rounds and committed + rolled-back transactions of the benchmark database so far.
+async fn relay_work(svc: &common::Service, db: &str) -> anyhow::Result<[f64; 3]> {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(db).await?;
+    // statistics of other backends reach the shared counters within a second
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let xacts: i64 = sqlx::query_scalar(
+        "SELECT (xact_commit + xact_rollback)::int8 FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(&mut conn)
+    .await?;
+    Ok([svc.metric("idem_outbox_claims_total").await?, svc.metric("idem_outbox_rounds_total").await?, xacts as f64])
+}
+
 /// One phase: `concurrency` workers sending `make()` requests until `duration` elapses.
 async fn phase<F>(
     name: &str,
@@ -106,10 +120,19 @@ async fn main() -> anyhow::Result<()> {
             (Uuid::now_v7().to_string(), charge_body())
         })
         .await;
+        let before = relay_work(&svc, &db).await?;
         let (on, sent) = phase("charge, idempotency layer on", &svc.base, concurrency, duration, |_, _| {
             (Uuid::now_v7().to_string(), charge_body())
         })
         .await;
+        let after = relay_work(&svc, &db).await?;
+        let per = |i: usize| (after[i] - before[i]) / on.ops as f64;
+        println!(
+            "per charge (layer on): {:.2} relay claims, {:.2} relay rounds, {:.2} database transactions",
+            per(0),
+            per(1),
+            per(2)
+        );
         let sent = Arc::new(sent);
         let pick = sent.clone();
         let (replay, _) = phase("replay of a stored key", &svc.base, concurrency, duration, move |w, i| {

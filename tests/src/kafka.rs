@@ -105,10 +105,13 @@ where
     }
 }
 
-/// A TCP proxy the test can cut (every connection dropped, new ones refused) and restore.
+/// A TCP proxy the test can cut (every connection dropped, new ones refused) and restore. It counts the
+/// client's flights: reads of data the client sent, each a request (or a pipeline of them) in a
+/// request-response protocol such as PostgreSQL's.
 #[derive(Debug)]
 pub struct TcpProxy {
     pub addr: std::net::SocketAddr,
+    flights: std::sync::Arc<std::sync::atomic::AtomicU64>,
     enabled: std::sync::Arc<std::sync::atomic::AtomicBool>,
     connections: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
     accept: tokio::task::JoinHandle<()>,
@@ -121,17 +124,36 @@ impl TcpProxy {
         let addr = listener.local_addr()?;
         let enabled = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
         let connections = std::sync::Arc::new(std::sync::Mutex::new(Vec::<tokio::task::AbortHandle>::new()));
-        let (en, conns) = (enabled.clone(), connections.clone());
+        let flights = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (en, conns, counter) = (enabled.clone(), connections.clone(), flights.clone());
         let accept = tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
+            while let Ok((inbound, _)) = listener.accept().await {
                 if !en.load(Ordering::SeqCst) {
                     drop(inbound);
                     continue;
                 }
+                let counter = counter.clone();
                 let task = tokio::spawn(async move {
-                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(upstream).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                    }
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let Ok(outbound) = tokio::net::TcpStream::connect(upstream).await else { return };
+                    let _ = outbound.set_nodelay(true);
+                    let (mut client_read, mut client_write) = inbound.into_split();
+                    let (mut server_read, mut server_write) = outbound.into_split();
+                    let upstream = async move {
+                        let mut buf = vec![0u8; 64 * 1024];
+                        while let Ok(n @ 1..) = client_read.read(&mut buf).await {
+                            counter.fetch_add(1, Ordering::Relaxed);
+                            if server_write.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                        let _ = server_write.shutdown().await;
+                    };
+                    let downstream = async move {
+                        let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+                        let _ = client_write.shutdown().await;
+                    };
+                    tokio::join!(upstream, downstream);
                 });
                 if let Ok(mut list) = conns.lock() {
                     list.retain(|h| !h.is_finished());
@@ -139,7 +161,12 @@ impl TcpProxy {
                 }
             }
         });
-        Ok(Self { addr, enabled, connections, accept })
+        Ok(Self { addr, flights, enabled, connections, accept })
+    }
+
+    /// Flights the clients sent so far (see the type's docs).
+    pub fn flights(&self) -> u64 {
+        self.flights.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Drops every open connection and refuses new ones.

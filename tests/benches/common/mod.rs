@@ -84,6 +84,19 @@ pub const API_KEY: &str = "bench_key_0123456789";
 pub struct Service {
     child: std::process::Child,
     pub base: String,
+    /// The admin listener (`/metrics`).
+    pub admin: String,
+}
+
+impl Service {
+    /// The value of `metric` (a counter or gauge without labels) on the service's `/metrics`.
+    pub async fn metric(&self, metric: &str) -> anyhow::Result<f64> {
+        let text = reqwest::get(format!("{}/metrics", self.admin)).await?.text().await?;
+        text.lines()
+            .find_map(|l| l.strip_prefix(metric).and_then(|rest| rest.strip_prefix(' ')))
+            .and_then(|v| v.trim().parse().ok())
+            .ok_or_else(|| anyhow::anyhow!("{metric} not in /metrics"))
+    }
 }
 
 impl Drop for Service {
@@ -107,7 +120,7 @@ pub async fn start_service(bin: &str, db_url: &str, port: u16, layer: &str) -> a
         .arg("serve")
         .env("DATABASE_URL", db_url)
         .env("HTTP_ADDR", format!("127.0.0.1:{port}"))
-        .env("ADMIN_ADDR", "127.0.0.1:0")
+        .env("ADMIN_ADDR", format!("127.0.0.1:{}", port + 1000))
         .env("IDEM_API_KEYS", format!("bench:{API_KEY}"))
         .env("IDEMPOTENCY_LAYER", layer)
         // Group commit needs as many concurrent committers as clients: one connection per client, plus the
@@ -121,7 +134,7 @@ pub async fn start_service(bin: &str, db_url: &str, port: u16, layer: &str) -> a
     let client = reqwest::Client::new();
     for _ in 0..200 {
         if client.get(format!("{base}/healthz")).send().await.is_ok() {
-            return Ok(Service { child, base });
+            return Ok(Service { child, base, admin: format!("http://127.0.0.1:{}", port + 1000) });
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

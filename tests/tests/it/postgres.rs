@@ -255,3 +255,41 @@ async fn a_statement_timeout_is_a_transient_store_error() -> anyhow::Result<()> 
     assert!(mapped.is_transient(), "statement timeout classed as {mapped:?}");
     Ok(())
 }
+
+/// Issue 12: every pool acquire used to ping the connection first (a Sync round trip): a charge sent 7
+/// requests to PostgreSQL where pgbench sends 6 for the same transaction. A connection back in the pool
+/// for less than `ping_after_idle` is handed out as is; one idle for longer is still pinged, so a
+/// connection that died while idle is caught before use.
+#[tokio::test]
+async fn a_busy_connection_is_not_pinged_and_an_idle_one_is() -> anyhow::Result<()> {
+    use sqlx::postgres::PgConnectOptions;
+    let db = TestDb::new().await?;
+    let options: PgConnectOptions = db.url.parse()?;
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let proxy = idem_tests::kafka::TcpProxy::start(
+        listener,
+        tokio::net::lookup_host(&upstream).await?.next().ok_or_else(|| anyhow::anyhow!("no address for {upstream}"))?,
+    )?;
+    let proxied = db.url.replacen(&upstream, &proxy.addr.to_string(), 1);
+    anyhow::ensure!(proxied != db.url, "cannot route {} through the proxy", db.url);
+    let settings = idem_postgres::PoolSettings { max_connections: 1, ..Default::default() };
+    let store = idem_postgres::PgStore::connect(&proxied, &settings).await?;
+    store.ping().await?;
+    tokio::time::sleep(Duration::from_millis(100)).await; // its release
+
+    // sqlx 0.8 also pings once when a connection goes back to the pool (unconditionally): one flight each
+    let before = proxy.flights();
+    for _ in 0..5 {
+        drop(store.pool().acquire().await?);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await; // the last release's ping
+    assert_eq!(proxy.flights() - before, 5, "a connection reused at once was pinged before use");
+
+    tokio::time::sleep(settings.ping_after_idle + Duration::from_millis(200)).await;
+    let before = proxy.flights();
+    drop(store.pool().acquire().await?);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(proxy.flights() - before, 2, "a connection idle for longer than ping_after_idle must be pinged");
+    Ok(())
+}
