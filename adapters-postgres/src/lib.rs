@@ -11,6 +11,7 @@ pub mod cleanup;
 mod error;
 pub mod operations;
 mod repos;
+mod txpool;
 mod wakeup;
 
 use std::time::Duration;
@@ -21,7 +22,7 @@ use idem_ports::{
     ProjectionRepository, SagaStepRepository, StoreError, TransactionManager, UnitOfWork,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{Connection, PgPool, Postgres, Transaction};
+use sqlx::{Connection, PgPool};
 
 pub use error::{is_transient_sqlstate, map_sqlx_error};
 pub use wakeup::{NOTIFY_DEBOUNCE, OUTBOX_CHANNEL, OutboxSignal, PgOutboxWakeup};
@@ -75,6 +76,8 @@ pub enum DedupStorage {
 #[derive(Debug, Clone)]
 pub struct PgStore {
     pool: PgPool,
+    /// Units of work take their connections here (see `txpool.rs`: no round trip on return).
+    transactions: txpool::TxPool,
     dedup: DedupStorage,
     outbox_signal: OutboxSignal,
 }
@@ -104,12 +107,28 @@ impl PgStore {
             .connect_with(options)
             .await
             .map_err(map_sqlx_error)?;
-        Ok(Self::from_pool(pool))
+        Ok(Self::with_settings(pool, settings))
     }
 
-    /// A store on an existing pool (tests and benchmarks).
+    /// A store on an existing pool (tests and benchmarks); units of work get a pool of the same size and
+    /// connection options.
     pub fn from_pool(pool: PgPool) -> Self {
-        Self { outbox_signal: OutboxSignal::new(pool.clone()), pool, dedup: DedupStorage::Table }
+        let settings = PoolSettings {
+            max_connections: pool.options().get_max_connections(),
+            acquire_timeout: pool.options().get_acquire_timeout(),
+            ..PoolSettings::default()
+        };
+        Self::with_settings(pool, &settings)
+    }
+
+    fn with_settings(pool: PgPool, settings: &PoolSettings) -> Self {
+        let transactions = txpool::TxPool::new(
+            (*pool.connect_options()).clone(),
+            settings.max_connections,
+            settings.acquire_timeout,
+            settings.ping_after_idle,
+        );
+        Self { outbox_signal: OutboxSignal::new(pool.clone()), pool, transactions, dedup: DedupStorage::Table }
     }
 
     /// Raised after every commit that wrote outbox rows (see [`PgOutboxWakeup`]).
@@ -179,7 +198,7 @@ impl PgStore {
 
     /// Begins a transaction, typed (for adapters' own use and tests).
     pub async fn begin_pg(&self) -> Result<PgUnitOfWork, StoreError> {
-        let tx = self.pool.begin().await.map_err(map_sqlx_error)?;
+        let tx = self.transactions.begin().await.map_err(map_sqlx_error)?;
         Ok(PgUnitOfWork { tx, dedup: self.dedup, outbox_signal: self.outbox_signal.clone(), wrote_outbox: false })
     }
 }
@@ -191,11 +210,10 @@ impl TransactionManager for PgStore {
     }
 }
 
-/// One PostgreSQL transaction. Dropping it uncommitted rolls back (sqlx returns the connection to the
-/// pool and issues ROLLBACK).
+/// One PostgreSQL transaction. Dropping it uncommitted rolls back (before its connection can be reused).
 #[derive(Debug)]
 pub struct PgUnitOfWork {
-    tx: Transaction<'static, Postgres>,
+    tx: txpool::TxConnection,
     dedup: DedupStorage,
     outbox_signal: OutboxSignal,
     /// Set by the outbox writes: the commit then wakes the relays (after the commit, never inside it).
@@ -207,7 +225,7 @@ impl PgUnitOfWork {
     /// …) on it. They commit or roll back together with idem's bookkeeping in this unit (idempotency
     /// record, processed-event row, outbox rows).
     pub fn connection(&mut self) -> &mut sqlx::PgConnection {
-        &mut self.tx
+        self.tx.connection()
     }
 
     /// The PostgreSQL unit of work behind `uow` — the one idem's idempotency layer (`Tx::uow`) or consumer

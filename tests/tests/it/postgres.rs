@@ -256,40 +256,63 @@ async fn a_statement_timeout_is_a_transient_store_error() -> anyhow::Result<()> 
     Ok(())
 }
 
-/// Issue 12: every pool acquire used to ping the connection first (a Sync round trip): a charge sent 7
-/// requests to PostgreSQL where pgbench sends 6 for the same transaction. A connection back in the pool
-/// for less than `ping_after_idle` is handed out as is; one idle for longer is still pinged, so a
-/// connection that died while idle is caught before use.
+/// Issue 12: sqlx's pool pings a connection when it is acquired and again when it goes back, so a
+/// transaction cost two round trips more than its statements: a charge sent 8 requests to PostgreSQL
+/// where pgbench sends 6 for the same transaction (on the old pool this test counted 25 flights for the
+/// five units of work). Units of work now cost exactly BEGIN, their statements and COMMIT; a connection
+/// idle for longer than `ping_after_idle` is pinged first; one dropped mid-transaction is rolled back
+/// before anyone can take it again.
 #[tokio::test]
-async fn a_busy_connection_is_not_pinged_and_an_idle_one_is() -> anyhow::Result<()> {
+async fn a_unit_of_work_costs_its_statements_and_nothing_more() -> anyhow::Result<()> {
+    use idem_ports::UnitOfWork;
     use sqlx::postgres::PgConnectOptions;
     let db = TestDb::new().await?;
     let options: PgConnectOptions = db.url.parse()?;
     let upstream = format!("{}:{}", options.get_host(), options.get_port());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let proxy = idem_tests::kafka::TcpProxy::start(
-        listener,
-        tokio::net::lookup_host(&upstream).await?.next().ok_or_else(|| anyhow::anyhow!("no address for {upstream}"))?,
-    )?;
+    let address = tokio::net::lookup_host(&upstream).await?.next().ok_or_else(|| anyhow::anyhow!("no {upstream}"))?;
+    let proxy = idem_tests::kafka::TcpProxy::start(listener, address)?;
     let proxied = db.url.replacen(&upstream, &proxy.addr.to_string(), 1);
     anyhow::ensure!(proxied != db.url, "cannot route {} through the proxy", db.url);
     let settings = idem_postgres::PoolSettings { max_connections: 1, ..Default::default() };
     let store = idem_postgres::PgStore::connect(&proxied, &settings).await?;
-    store.ping().await?;
-    tokio::time::sleep(Duration::from_millis(100)).await; // its release
+    let unit = |store: idem_postgres::PgStore| async move {
+        let mut uow = store.begin_pg().await?;
+        sqlx::query("SELECT 1").execute(uow.connection()).await?;
+        Box::new(uow).commit().await?;
+        anyhow::Ok(())
+    };
+    unit(store.clone()).await?; // opens the connection
+    tokio::time::sleep(Duration::from_millis(100)).await;
 
-    // sqlx 0.8 also pings once when a connection goes back to the pool (unconditionally): one flight each
     let before = proxy.flights();
     for _ in 0..5 {
-        drop(store.pool().acquire().await?);
+        unit(store.clone()).await?;
     }
-    tokio::time::sleep(Duration::from_millis(100)).await; // the last release's ping
-    assert_eq!(proxy.flights() - before, 5, "a connection reused at once was pinged before use");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(proxy.flights() - before, 15, "five units of work of one statement: BEGIN, SELECT, COMMIT each");
 
     tokio::time::sleep(settings.ping_after_idle + Duration::from_millis(200)).await;
     let before = proxy.flights();
-    drop(store.pool().acquire().await?);
+    unit(store.clone()).await?;
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(proxy.flights() - before, 2, "a connection idle for longer than ping_after_idle must be pinged");
+    assert_eq!(proxy.flights() - before, 4, "a connection idle for longer than ping_after_idle is pinged first");
+
+    // dropped mid-transaction holding a row lock: the next unit (same single connection) must not see it
+    let claim = IdempotencyClaim {
+        scope: "merchant_a".into(),
+        key: "dropped".into(),
+        command_hash: [1; 32],
+        created_at: Utc::now(),
+        expires_at: Utc::now() + chrono::Duration::hours(24),
+    };
+    let wait = Duration::from_secs(1);
+    let mut uow = store.begin_pg().await?;
+    uow.idempotency().claim(&claim, Utc::now(), wait).await?;
+    drop(uow);
+    let mut next = store.begin_pg().await?;
+    let outcome = next.idempotency().claim(&claim, Utc::now(), wait).await?;
+    assert!(matches!(outcome, ClaimOutcome::Claimed), "the dropped transaction was not rolled back: {outcome:?}");
+    Box::new(next).rollback().await?;
     Ok(())
 }
