@@ -35,7 +35,7 @@
 //! from pre-commit until the commit record is flushed, so on a commit-bound disk every business transaction
 //! committed alone. Nothing notifies inside business transactions: the unit of work that wrote outbox rows
 //! wakes an in-process relay after its commit, and asks a background task to send one debounced
-//! `NOTIFY outbox_message` (at most every 10 ms, payload = instance id) for relays of other instances; relays
+//! `NOTIFY outbox_message` (at most every 25 ms, payload = instance id) for relays of other instances; relays
 //! also poll (`adapters-postgres/src/wakeup.rs`).
 //!
 //! **Poison rows.** A row the broker refuses for good (too large, not authorized, invalid) is quarantined after

@@ -33,7 +33,8 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 /// Pool settings.
 #[derive(Debug, Clone)]
 pub struct PoolSettings {
-    /// Most pooled connections (size it for concurrent committers: group commit needs them).
+    /// Most connections for units of work (size it for concurrent committers: group commit needs them).
+    /// Other queries (health checks, cleanup batches, notifications) use a second pool of 2 to 4.
     pub max_connections: u32,
     /// How long a caller waits for a free connection before getting [`StoreError::Unavailable`].
     pub acquire_timeout: Duration,
@@ -92,8 +93,10 @@ impl PgStore {
             ("idle_in_transaction_session_timeout", format!("{}ms", settings.idle_in_transaction_timeout.as_millis())),
         ]);
         let ping_after_idle = settings.ping_after_idle;
+        // units of work have their own pool (`txpool.rs`); this one serves health checks, cleanup batches,
+        // notifications and operators' queries: a few connections at most
         let pool = PgPoolOptions::new()
-            .max_connections(settings.max_connections)
+            .max_connections(settings.max_connections.clamp(2, 4))
             .acquire_timeout(settings.acquire_timeout)
             .test_before_acquire(false)
             .before_acquire(move |conn, meta| {
@@ -189,6 +192,12 @@ impl PgStore {
     pub fn sharing_outbox_signal(mut self, other: &PgStore) -> Self {
         self.outbox_signal = other.outbox_signal.clone();
         self
+    }
+
+    /// Closes both pools: new units of work and queries are refused, idle connections closed.
+    pub async fn close(&self) {
+        self.transactions.close().await;
+        self.pool.close().await;
     }
 
     /// Whether the database answers.

@@ -69,6 +69,16 @@ impl TxPool {
         }
     }
 
+    /// Refuses new transactions and closes the idle connections (those in use close when their unit ends).
+    pub(crate) async fn close(&self) {
+        self.inner.permits.close();
+        let idle: Vec<_> =
+            std::mem::take(&mut *self.inner.idle.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+        for (conn, _) in idle {
+            let _ = conn.close().await;
+        }
+    }
+
     /// A connection with a transaction begun on it. Waits at most `acquire_timeout` for a free
     /// connection (`PoolTimedOut`, which the store maps to "unavailable").
     pub(crate) async fn begin(&self) -> Result<TxConnection, sqlx::Error> {
@@ -108,7 +118,9 @@ impl Inner {
     }
 
     fn put(&self, conn: PgConnection) {
-        self.idle.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push((conn, Instant::now()));
+        if !self.permits.is_closed() {
+            self.idle.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push((conn, Instant::now()));
+        }
     }
 }
 

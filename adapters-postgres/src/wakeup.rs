@@ -26,8 +26,9 @@ use crate::error::map_sqlx_error;
 /// Channel of the cross-instance wake-up.
 pub const OUTBOX_CHANNEL: &str = "outbox_message";
 
-/// Shortest interval between two cross-instance notifications of one process.
-pub const NOTIFY_DEBOUNCE: Duration = Duration::from_millis(10);
+/// Shortest interval between two cross-instance notifications of one process: at most 40 small
+/// transactions a second whatever the commit rate (at 10 ms they were 0.08 transactions per charge).
+pub const NOTIFY_DEBOUNCE: Duration = Duration::from_millis(25);
 
 /// Announces committed outbox rows to relays (see the module docs). Cheap to clone.
 #[derive(Debug, Clone)]

@@ -142,7 +142,7 @@ async fn cleanup_once(args: CleanupArgs) -> anyhow::Result<()> {
         }
         None => tracing::warn!("another instance holds the cleaner lock; nothing done"),
     }
-    store.pool().close().await;
+    store.close().await;
     Ok(())
 }
 

@@ -473,7 +473,7 @@ async fn dlq_redrive(args: DlqRedriveArgs) -> anyhow::Result<()> {
         progress.inc();
     }
     progress.finish();
-    store.pool().close().await;
+    store.close().await;
     if args.json {
         print_json(&json!({"redriven": redriven, "skipped": skipped, "failed": failed, "by": by}));
     } else {

@@ -200,8 +200,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
 
     let result = group.wait(args.shutdown_timeout).await;
-    store.pool().close().await;
-    bg_store.pool().close().await;
+    store.close().await;
+    bg_store.close().await;
     tracing::info!("stopped");
     result
 }
@@ -215,6 +215,6 @@ pub async fn relay_only(args: RelayOnlyArgs) -> anyhow::Result<()> {
     let mut group = TaskGroup::new(shutdown);
     spawn_relay(&mut group, &store, &args.kafka, &args.relay, &mut Registry::default()).await?;
     let result = group.wait(std::time::Duration::from_secs(20)).await;
-    store.pool().close().await;
+    store.close().await;
     result
 }

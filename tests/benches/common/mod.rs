@@ -89,6 +89,16 @@ pub struct Service {
 }
 
 impl Service {
+    /// CPU seconds the service process has used so far (user + system, from `/proc`).
+    pub fn cpu_seconds(&self) -> Option<f64> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).ok()?;
+        // fields after the command name (which may hold spaces): state is field 3, utime 14, stime 15
+        let rest = stat.rsplit_once(')')?.1;
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+        Some(ticks / 100.0) // USER_HZ is 100 on Linux
+    }
+
     /// The value of `metric` (a counter or gauge without labels) on the service's `/metrics`.
     pub async fn metric(&self, metric: &str) -> anyhow::Result<f64> {
         let text = reqwest::get(format!("{}/metrics", self.admin)).await?.text().await?;
