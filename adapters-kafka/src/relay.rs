@@ -36,7 +36,9 @@
 //! committed alone. Nothing notifies inside business transactions: the unit of work that wrote outbox rows
 //! wakes an in-process relay after its commit, and asks a background task to send one debounced
 //! `NOTIFY outbox_message` (at most every 25 ms, payload = instance id) for relays of other instances; relays
-//! also poll (`adapters-postgres/src/wakeup.rs`).
+//! also poll (`adapters-postgres/src/wakeup.rs`). A wake-up starts one claim by one idle worker, at most one
+//! per `OUTBOX_MIN_CLAIM_INTERVAL` (5 ms): under a stream of commits one claim serves many of them, and the
+//! relay stays a small share of the database's work (see [`Relay::run`]).
 //!
 //! **Poison rows.** A row the broker refuses for good (too large, not authorized, invalid) is quarantined after
 //! 3 refusals (`quarantined_at`, `last_error`, `attempts` kept; `idem_outbox_quarantined`); later rows of its

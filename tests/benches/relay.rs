@@ -3,7 +3,8 @@
 //! and PostgreSQL's rate for the relay's claim-and-mark transactions alone on the same rows.
 //!
 //! Run with `scripts/bench.sh relay`. Settings: BENCH_ROWS (100000), BENCH_RATE (1000 messages/s offered
-//! for the latency phase), BENCH_SECONDS (10), BENCH_RELAY_BATCH (500), DATABASE_URL, KAFKA_BROKERS.
+//! for the latency phase), BENCH_SECONDS (10), BENCH_RELAY_BATCH (2000), BENCH_CLAIM_INTERVAL_US (the relay's
+//! default, 5000), DATABASE_URL, KAFKA_BROKERS.
 
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::disallowed_methods)]
 
@@ -99,6 +100,8 @@ fn start_relay(
     settings.batch_size = batch;
     settings.poll_interval = Duration::from_millis(env_or("BENCH_POLL_MS", 1000));
     settings.concurrency = env_or("BENCH_RELAY_WORKERS", settings.concurrency);
+    settings.min_claim_interval =
+        Duration::from_micros(env_or("BENCH_CLAIM_INTERVAL_US", settings.min_claim_interval.as_micros() as u64));
     let relay = Relay::new(settings, Arc::new(store.clone()), Arc::new(SystemClock));
     let stats = relay.stats();
     let stop = CancellationToken::new();
