@@ -48,6 +48,9 @@ pub struct PoolSettings {
     /// One back sooner is handed out as is: under load every transaction would otherwise pay a round trip
     /// (sqlx's `test_before_acquire` pings on every acquire; a charge is six round trips without it).
     pub ping_after_idle: Duration,
+    /// Connections of units of work older than this are closed and replaced when next taken (long-lived
+    /// server processes accumulate caches).
+    pub max_lifetime: Duration,
 }
 
 impl Default for PoolSettings {
@@ -58,6 +61,7 @@ impl Default for PoolSettings {
             statement_timeout: Duration::from_secs(30),
             idle_in_transaction_timeout: Duration::from_secs(60),
             ping_after_idle: Duration::from_secs(1),
+            max_lifetime: Duration::from_secs(30 * 60),
         }
     }
 }
@@ -130,6 +134,7 @@ impl PgStore {
             settings.max_connections,
             settings.acquire_timeout,
             settings.ping_after_idle,
+            settings.max_lifetime,
         );
         Self { outbox_signal: OutboxSignal::new(pool.clone()), pool, transactions, dedup: DedupStorage::Table }
     }

@@ -12,6 +12,7 @@
 //!   rolls back);
 //! - COMMIT or ROLLBACK failed (the outcome is unknown, the connection may be half-read): closed.
 //!
+//! A connection older than `max_lifetime` (30 min, as sqlx's pool) is closed and replaced when next taken.
 //! A connection that rested longer than `ping_after_idle` is pinged before use, and one whose ping or
 //! `BEGIN` fails is replaced (nothing ran on it yet), so connections that died while idle (a server
 //! restart) cost a retry, not an error. Transactions keep sqlx's bookkeeping (`TransactionManager`), so an
@@ -38,11 +39,19 @@ pub(crate) struct TxPool {
 struct Inner {
     options: PgConnectOptions,
     /// Most recently returned last: the warmest connection is reused first.
-    idle: Mutex<Vec<(PgConnection, Instant)>>,
+    idle: Mutex<Vec<Idle>>,
     /// One per connection that exists or is being opened: bounds the pool.
     permits: Arc<Semaphore>,
     acquire_timeout: Duration,
     ping_after_idle: Duration,
+    max_lifetime: Duration,
+}
+
+/// A connection resting in the pool.
+struct Idle {
+    conn: PgConnection,
+    opened: Instant,
+    returned: Instant,
 }
 
 impl std::fmt::Debug for TxPool {
@@ -57,6 +66,7 @@ impl TxPool {
         max_connections: u32,
         acquire_timeout: Duration,
         ping_after_idle: Duration,
+        max_lifetime: Duration,
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -65,6 +75,7 @@ impl TxPool {
                 permits: Arc::new(Semaphore::new(max_connections.max(1) as usize)),
                 acquire_timeout,
                 ping_after_idle,
+                max_lifetime,
             }),
         }
     }
@@ -74,8 +85,8 @@ impl TxPool {
         self.inner.permits.close();
         let idle: Vec<_> =
             std::mem::take(&mut *self.inner.idle.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
-        for (conn, _) in idle {
-            let _ = conn.close().await;
+        for idle in idle {
+            let _ = idle.conn.close().await;
         }
     }
 
@@ -88,21 +99,32 @@ impl TxPool {
             .map_err(|_| sqlx::Error::PoolTimedOut)?
             .map_err(|_| sqlx::Error::PoolClosed)?;
         loop {
-            let (mut conn, reused) = match self.inner.take_idle() {
-                Some((mut conn, since)) => {
-                    if since.elapsed() > self.inner.ping_after_idle && conn.ping().await.is_err() {
+            let (mut conn, opened, reused) = match self.inner.take_idle() {
+                Some(Idle { conn, opened, .. }) if opened.elapsed() > self.inner.max_lifetime => {
+                    let _ = conn.close().await; // lived long enough (server-side caches grow): replaced
+                    continue;
+                }
+                Some(Idle { mut conn, opened, returned }) => {
+                    if returned.elapsed() > self.inner.ping_after_idle && conn.ping().await.is_err() {
                         continue; // died while idle: dropped, try the next one
                     }
-                    (conn, true)
+                    (conn, opened, true)
                 }
                 None => {
                     let connect = PgConnection::connect_with(&self.inner.options);
-                    (tokio::time::timeout_at(deadline, connect).await.map_err(|_| sqlx::Error::PoolTimedOut)??, false)
+                    let conn =
+                        tokio::time::timeout_at(deadline, connect).await.map_err(|_| sqlx::Error::PoolTimedOut)??;
+                    (conn, Instant::now(), false)
                 }
             };
             match Manager::begin(&mut conn, None).await {
                 Ok(()) => {
-                    return Ok(TxConnection { conn: Some(conn), inner: self.inner.clone(), permit: Some(permit) });
+                    return Ok(TxConnection {
+                        conn: Some(conn),
+                        opened,
+                        inner: self.inner.clone(),
+                        permit: Some(permit),
+                    });
                 }
                 // nothing ran: a reused connection that fails here (it died while idle) is replaced
                 Err(_) if reused => continue,
@@ -113,13 +135,14 @@ impl TxPool {
 }
 
 impl Inner {
-    fn take_idle(&self) -> Option<(PgConnection, Instant)> {
+    fn take_idle(&self) -> Option<Idle> {
         self.idle.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).pop()
     }
 
-    fn put(&self, conn: PgConnection) {
+    fn put(&self, conn: PgConnection, opened: Instant) {
         if !self.permits.is_closed() {
-            self.idle.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push((conn, Instant::now()));
+            let idle = Idle { conn, opened, returned: Instant::now() };
+            self.idle.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(idle);
         }
     }
 }
@@ -127,6 +150,7 @@ impl Inner {
 /// A pooled connection with an open transaction (see the module docs for how it goes back).
 pub(crate) struct TxConnection {
     conn: Option<PgConnection>,
+    opened: Instant,
     inner: Arc<Inner>,
     /// Released after the connection is back in the pool (or closed).
     permit: Option<OwnedSemaphorePermit>,
@@ -157,7 +181,7 @@ impl TxConnection {
         let ended = if commit { Manager::commit(&mut conn).await } else { Manager::rollback(&mut conn).await };
         match ended {
             Ok(()) => {
-                self.inner.put(conn);
+                self.inner.put(conn, self.opened);
                 Ok(())
             }
             Err(e) => Err(e), // outcome unknown, connection possibly half-read: it is closed here
@@ -169,12 +193,12 @@ impl Drop for TxConnection {
     fn drop(&mut self) {
         let Some(mut conn) = self.conn.take() else { return };
         if Manager::get_transaction_depth(&conn) == 0 {
-            self.inner.put(conn);
+            self.inner.put(conn, self.opened);
             return;
         }
         // Dropped with its transaction open: roll back before the connection can be taken again.
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return }; // closed: the server rolls back
-        let (inner, permit) = (self.inner.clone(), self.permit.take());
+        let (inner, permit, opened) = (self.inner.clone(), self.permit.take(), self.opened);
         runtime.spawn(async move {
             while Manager::get_transaction_depth(&conn) > 0 {
                 if Manager::rollback(&mut conn).await.is_err() {
@@ -182,7 +206,7 @@ impl Drop for TxConnection {
                     return; // closed
                 }
             }
-            inner.put(conn);
+            inner.put(conn, opened);
             drop(permit);
         });
     }

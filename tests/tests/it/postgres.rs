@@ -316,3 +316,27 @@ async fn a_unit_of_work_costs_its_statements_and_nothing_more() -> anyhow::Resul
     Box::new(next).rollback().await?;
     Ok(())
 }
+
+/// The units of work's pool recycles connections like sqlx's did (`max_lifetime`): reused while young, a
+/// new server process once older.
+#[tokio::test]
+async fn unit_of_work_connections_are_reused_until_their_lifetime_ends() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let settings = idem_postgres::PoolSettings {
+        max_connections: 1,
+        max_lifetime: Duration::from_millis(800),
+        ..Default::default()
+    };
+    let store = idem_postgres::PgStore::connect(&db.url, &settings).await?;
+    let backend = |store: idem_postgres::PgStore| async move {
+        let mut uow = store.begin_pg().await?;
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(uow.connection()).await?;
+        idem_ports::UnitOfWork::commit(Box::new(uow)).await?;
+        anyhow::Ok(pid)
+    };
+    let first = backend(store.clone()).await?;
+    assert_eq!(backend(store.clone()).await?, first, "a young connection is reused");
+    tokio::time::sleep(settings.max_lifetime + Duration::from_millis(200)).await;
+    assert_ne!(backend(store.clone()).await?, first, "a connection past max_lifetime is replaced");
+    Ok(())
+}
