@@ -7,13 +7,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use idem_domain::TtlPolicy;
 use idem_http::ApiKeys;
-use idem_ports::{
-    IdempotencyRepository, OutboxRepository, ProcessedEventRepository, SagaStepRepository, StoreError, SystemClock,
-    TransactionManager, UnitOfWork,
-};
+use idem_ports::{SystemClock, TransactionManager};
 use idem_tests::TestDb;
 use idem_tests::kafka::{create_topic, eventually, produce, producer, unique_topic};
 use serde_json::{Value, json};
@@ -119,66 +115,25 @@ async fn concurrent_duplicates_make_one_credit() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A transaction manager whose commits die: the transaction is rolled back instead (the process died
-/// before COMMIT reached the database), or, with `fail_first`, only the first commits.
-#[derive(Clone)]
-struct CommitDies {
-    inner: idem_postgres::PgStore,
-    fail_first: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-struct DyingUow {
-    inner: Box<dyn UnitOfWork>,
-    dies: bool,
-}
-
-#[async_trait]
-impl TransactionManager for CommitDies {
-    async fn begin(&self) -> Result<Box<dyn UnitOfWork>, StoreError> {
-        let dies = self
-            .fail_first
+/// Units of work whose commit dies for the first `fail_first` units: the transaction is rolled back
+/// instead (the process died before COMMIT reached the database).
+fn commit_dies(store: &idem_postgres::PgStore, fail_first: usize) -> Arc<dyn TransactionManager> {
+    use idem_tests::faulty::{FaultyCommits, commits, dies_before_commit};
+    let left = std::sync::atomic::AtomicUsize::new(fail_first);
+    Arc::new(FaultyCommits::new(Arc::new(store.clone()), move || {
+        let dies = left
             .fetch_update(std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst, |n| {
                 n.checked_sub(1)
             })
             .is_ok();
-        Ok(Box::new(DyingUow { inner: self.inner.begin().await?, dies }))
-    }
-}
-
-#[async_trait]
-impl UnitOfWork for DyingUow {
-    fn idempotency(&mut self) -> &mut dyn IdempotencyRepository {
-        self.inner.idempotency()
-    }
-    fn processed_events(&mut self) -> &mut dyn ProcessedEventRepository {
-        self.inner.processed_events()
-    }
-    fn outbox(&mut self) -> &mut dyn OutboxRepository {
-        self.inner.outbox()
-    }
-    fn saga_steps(&mut self) -> &mut dyn SagaStepRepository {
-        self.inner.saga_steps()
-    }
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self.inner.as_any_mut()
-    }
-    async fn commit(self: Box<Self>) -> Result<(), StoreError> {
-        if self.dies {
-            drop(self.inner); // never committed: the server rolls it back
-            return Err(StoreError::Unavailable("the process died before COMMIT".into()));
-        }
-        self.inner.commit().await
-    }
-    async fn rollback(self: Box<Self>) -> Result<(), StoreError> {
-        self.inner.rollback().await
-    }
+        if dies { dies_before_commit() } else { commits() }
+    }))
 }
 
 #[tokio::test]
 async fn a_crash_before_commit_leaves_nothing_and_the_retry_executes_once() -> anyhow::Result<()> {
     let db = ledger_db().await?;
-    let dying = CommitDies { inner: db.store.clone(), fail_first: Arc::new(1.into()) };
-    let base = serve(Arc::new(dying)).await?;
+    let base = serve(commit_dies(&db.store, 1)).await?;
     let (status, body, _) = credit(&base, "k-crash", "alpha_key_0123456789", "7").await?;
     assert_eq!(status, 503, "{body}");
     for table in ["ledger_entry", "ledger_balance", "idempotency_record", "outbox_message"] {
@@ -217,7 +172,7 @@ async fn revenue_events_are_credited_once_with_their_processed_row() -> anyhow::
     let ignored = Uuid::now_v7().to_string();
     produce(&p, &topic, Some("x"), br#"{"type":"OrderPlaced"}"#, &[("event_id", ignored.as_bytes())]).await?;
 
-    let tm = CommitDies { inner: db.store.clone(), fail_first: Arc::new(3.into()) };
+    let tm = commit_dies(&db.store, 3);
     let mut settings = idem_kafka::consumer::RunnerSettings::new(
         &brokers,
         &unique_topic("ledger-group"),
@@ -226,7 +181,7 @@ async fn revenue_events_are_credited_once_with_their_processed_row() -> anyhow::
     );
     settings.batch_size = 7;
     let handler = Arc::new(idem_ledger::RevenueHandler { merchant: "alpha".into() });
-    let runner = idem_kafka::consumer::Runner::new(settings, Arc::new(tm), Arc::new(SystemClock), handler);
+    let runner = idem_kafka::consumer::Runner::new(settings, tm, Arc::new(SystemClock), handler);
     let token = tokio_util::sync::CancellationToken::new();
     let task = tokio::spawn(runner.run(token.clone()));
     let done = eventually(Duration::from_secs(60), || async {

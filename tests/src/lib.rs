@@ -206,6 +206,7 @@ pub async fn serve(router: axum::Router) -> anyhow::Result<String> {
     Ok(format!("http://{addr}"))
 }
 
+pub mod faulty;
 pub mod kafka;
 
 #[cfg(test)]

@@ -4,14 +4,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use idem_domain::TtlPolicy;
 use idem_domain::usecases::OrderEventHandler;
 use idem_kafka::consumer::{ConsumerStats, Runner, RunnerSettings};
-use idem_ports::{
-    IdempotencyRepository, OutboxRepository, ProcessedEventRepository, SagaStepRepository, StoreError, SystemClock,
-    TransactionManager, UnitOfWork, UuidV7Generator,
-};
+use idem_ports::{SystemClock, TransactionManager, UuidV7Generator};
 use idem_postgres::PgStore;
 use idem_tests::TestDb;
 use idem_tests::kafka::{create_topic, eventually, produce, producer, read_topic, unique_topic};
@@ -222,57 +218,24 @@ async fn bad_messages_are_dead_lettered_and_the_consumer_keeps_going() -> anyhow
     Ok(())
 }
 
-/// A unit of work whose commit succeeds and then never returns: the process "dies" between the
-/// database commit and the offset commit.
-struct HangAfterCommit {
-    inner: PgStore,
-    commits_before_hang: std::sync::atomic::AtomicUsize,
-    /// Extra time every commit takes (a slow database).
-    delay: Duration,
-}
-
-struct HangingUow {
-    inner: Box<dyn UnitOfWork>,
-    hang: bool,
-    delay: Duration,
-}
-
-#[async_trait]
-impl TransactionManager for HangAfterCommit {
-    async fn begin(&self) -> Result<Box<dyn UnitOfWork>, StoreError> {
-        let left = self.commits_before_hang.fetch_sub(1, Ordering::SeqCst);
-        Ok(Box::new(HangingUow { inner: self.inner.begin().await?, hang: left <= 1, delay: self.delay }))
-    }
-}
-
-#[async_trait]
-impl UnitOfWork for HangingUow {
-    fn idempotency(&mut self) -> &mut dyn IdempotencyRepository {
-        self.inner.idempotency()
-    }
-    fn processed_events(&mut self) -> &mut dyn ProcessedEventRepository {
-        self.inner.processed_events()
-    }
-    fn outbox(&mut self) -> &mut dyn OutboxRepository {
-        self.inner.outbox()
-    }
-    fn saga_steps(&mut self) -> &mut dyn SagaStepRepository {
-        self.inner.saga_steps()
-    }
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self.inner.as_any_mut()
-    }
-    async fn commit(self: Box<Self>) -> Result<(), StoreError> {
-        self.inner.commit().await?;
-        tokio::time::sleep(self.delay).await;
-        if self.hang {
-            std::future::pending::<()>().await;
-        }
-        Ok(())
-    }
-    async fn rollback(self: Box<Self>) -> Result<(), StoreError> {
-        self.inner.rollback().await
-    }
+/// Units of work whose commit succeeds and then never returns once `commits_before_hang` units began:
+/// the process "dies" between the database commit and the offset commit. Every commit takes `delay` more
+/// (a slow database).
+fn hang_after_commit(store: &PgStore, commits_before_hang: usize, delay: Duration) -> Arc<dyn TransactionManager> {
+    let left = std::sync::atomic::AtomicUsize::new(commits_before_hang);
+    Arc::new(idem_tests::faulty::FaultyCommits::new(Arc::new(store.clone()), move || {
+        let hang = left.fetch_sub(1, Ordering::SeqCst) <= 1;
+        Box::new(move |uow| {
+            Box::pin(async move {
+                uow.commit().await?;
+                tokio::time::sleep(delay).await;
+                if hang {
+                    std::future::pending::<()>().await;
+                }
+                Ok(())
+            })
+        })
+    }))
 }
 
 #[tokio::test]
@@ -285,8 +248,7 @@ async fn killed_after_db_commit_before_offset_commit_has_no_second_effect() -> a
     }
     let group = unique_topic("g");
     // first consumer: the second batch commits in the database and the process dies before the offsets
-    let hang =
-        Arc::new(HangAfterCommit { inner: db.store.clone(), commits_before_hang: 2.into(), delay: Duration::ZERO });
+    let hang = hang_after_commit(&db.store, 2, Duration::ZERO);
     let first = start(hang, settings(&brokers, &group, &topic, 5));
     let store = db.store.clone();
     assert!(
@@ -373,11 +335,7 @@ async fn consumer_lag_is_reported() -> anyhow::Result<()> {
         send(&p, &topic, order, Uuid::now_v7(), &placed(order, &format!("pi_lag_{i}"), 1)).await?;
     }
     // a slow database: each batch of 5 takes 2 s to commit, so most of the 40 messages wait
-    let hang = Arc::new(HangAfterCommit {
-        inner: db.store.clone(),
-        commits_before_hang: usize::MAX.into(),
-        delay: Duration::from_secs(2),
-    });
+    let hang = hang_after_commit(&db.store, usize::MAX, Duration::from_secs(2));
     let stuck = start(hang, settings(&brokers, &unique_topic("g"), &topic, 5));
     let stats = stuck.stats.clone();
     let reported = eventually(Duration::from_secs(30), || async { Ok(stats.lag.get() >= 15) }).await?;

@@ -604,54 +604,21 @@ async fn every_documented_api_operation_is_routed() -> anyhow::Result<()> {
 /// A transaction manager whose commits take `delay` more (a slow disk: the connection is held that long)
 /// and, with `lose_outcome`, commit for real and then report a lost connection: what a client sees when the
 /// connection drops during COMMIT after the server applied it.
-struct FaultyCommit {
-    inner: PgStore,
-    delay: Duration,
-    lose_outcome: bool,
-}
-
-struct FaultyCommitUow {
-    inner: Box<dyn idem_ports::UnitOfWork>,
-    delay: Duration,
-    lose_outcome: bool,
-}
-
-#[async_trait::async_trait]
-impl TransactionManager for FaultyCommit {
-    async fn begin(&self) -> Result<Box<dyn idem_ports::UnitOfWork>, idem_ports::StoreError> {
-        let inner = self.inner.begin().await?;
-        Ok(Box::new(FaultyCommitUow { inner, delay: self.delay, lose_outcome: self.lose_outcome }))
-    }
-}
-
-#[async_trait::async_trait]
-impl idem_ports::UnitOfWork for FaultyCommitUow {
-    fn idempotency(&mut self) -> &mut dyn idem_ports::IdempotencyRepository {
-        self.inner.idempotency()
-    }
-    fn processed_events(&mut self) -> &mut dyn idem_ports::ProcessedEventRepository {
-        self.inner.processed_events()
-    }
-    fn outbox(&mut self) -> &mut dyn idem_ports::OutboxRepository {
-        self.inner.outbox()
-    }
-    fn saga_steps(&mut self) -> &mut dyn idem_ports::SagaStepRepository {
-        self.inner.saga_steps()
-    }
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self.inner.as_any_mut()
-    }
-    async fn commit(self: Box<Self>) -> Result<(), idem_ports::StoreError> {
-        tokio::time::sleep(self.delay).await;
-        self.inner.commit().await?;
-        if self.lose_outcome {
-            return Err(idem_ports::StoreError::Unavailable("connection reset during COMMIT".into()));
-        }
-        Ok(())
-    }
-    async fn rollback(self: Box<Self>) -> Result<(), idem_ports::StoreError> {
-        self.inner.rollback().await
-    }
+/// Units of work whose commit takes `delay` more and, with `lose_outcome`, reports a lost connection
+/// after the commit succeeded.
+fn faulty_commit(store: &PgStore, delay: Duration, lose_outcome: bool) -> Arc<dyn TransactionManager> {
+    Arc::new(idem_tests::faulty::FaultyCommits::new(Arc::new(store.clone()), move || {
+        Box::new(move |uow| {
+            Box::pin(async move {
+                tokio::time::sleep(delay).await;
+                uow.commit().await?;
+                if lose_outcome {
+                    return Err(idem_ports::StoreError::Unavailable("connection reset during COMMIT".into()));
+                }
+                Ok(())
+            })
+        })
+    }))
 }
 
 /// Issue 11.5: a commit whose outcome is unknown must not be reported as "not executed": 503 saying the
@@ -659,8 +626,7 @@ impl idem_ports::UnitOfWork for FaultyCommitUow {
 #[tokio::test]
 async fn a_commit_with_an_unknown_outcome_says_so_and_the_retry_replays() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
-    let tm: Arc<dyn TransactionManager> =
-        Arc::new(FaultyCommit { inner: db.store.clone(), delay: Duration::ZERO, lose_outcome: true });
+    let tm: Arc<dyn TransactionManager> = faulty_commit(&db.store, Duration::ZERO, true);
     let layer = IdempotencyLayer::new(tm.clone(), Arc::new(SystemClock), layer_config(StatusCode::CONFLICT));
     let state = ApiState { tm, ..api_state(&db.store) };
     let lossy = idem_tests::serve(idem_http::router(state, keys(), layer)).await?;
@@ -802,8 +768,7 @@ async fn one_merchant_cannot_starve_another() -> anyhow::Result<()> {
         ..idem_postgres::PoolSettings::default()
     };
     let db = TestDb::with_pool(settings).await?;
-    let tm: Arc<dyn TransactionManager> =
-        Arc::new(FaultyCommit { inner: db.store.clone(), delay: Duration::from_millis(100), lose_outcome: false });
+    let tm: Arc<dyn TransactionManager> = faulty_commit(&db.store, Duration::from_millis(100), false);
     let layer = IdempotencyLayer::new(tm.clone(), Arc::new(SystemClock), layer_config(StatusCode::CONFLICT));
     let limited = Arc::new(
         ApiKeys::parse(&format!("merchant_a:{KEY_A},merchant_b:{KEY_B}"))
@@ -906,8 +871,7 @@ async fn waiting_duplicates_hold_no_connection() -> anyhow::Result<()> {
         ..idem_postgres::PoolSettings::default()
     };
     let db = TestDb::with_pool(settings).await?;
-    let tm: Arc<dyn TransactionManager> =
-        Arc::new(FaultyCommit { inner: db.store.clone(), delay: Duration::from_millis(2500), lose_outcome: false });
+    let tm: Arc<dyn TransactionManager> = faulty_commit(&db.store, Duration::from_millis(2500), false);
     let layer = IdempotencyLayer::new(tm.clone(), Arc::new(SystemClock), layer_config(StatusCode::CONFLICT));
     let state = ApiState { tm, ..api_state(&db.store) };
     let base = idem_tests::serve(idem_http::router(state, keys(), layer)).await?;

@@ -4,7 +4,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use chrono::Utc;
 use idem_domain::saga::{StepStart, begin_step, finish_step};
 use idem_domain::usecases::OrderEventHandler;
@@ -12,10 +11,7 @@ use idem_domain::{SagaStep, TtlPolicy};
 use idem_kafka::consumer::{Runner, RunnerSettings};
 use idem_kafka::partitioner::partition_for_key;
 use idem_kafka::relay::{Relay, RelaySettings, RelayStats};
-use idem_ports::{
-    IdempotencyRepository, NewOutboxMessage, OutboxRepository, ProcessedEventRepository, SagaStepRepository,
-    StoreError, SystemClock, TransactionManager, UnitOfWork, UuidV7Generator,
-};
+use idem_ports::{NewOutboxMessage, SystemClock, TransactionManager, UuidV7Generator};
 use idem_postgres::{PgOutboxWakeup, PgStore};
 use idem_tests::TestDb;
 use idem_tests::kafka::{ProxiedBroker, create_topic, eventually, read_topic, unique_topic};
@@ -201,41 +197,18 @@ async fn one_key_arrives_in_commit_order_on_its_murmur2_partition() -> anyhow::R
     Ok(())
 }
 
-/// A unit whose commit never happens: the relay "dies" after publishing and before marking.
-struct DieBeforeCommit(PgStore);
-struct DyingUow(Box<dyn UnitOfWork>);
-
-#[async_trait]
-impl TransactionManager for DieBeforeCommit {
-    async fn begin(&self) -> Result<Box<dyn UnitOfWork>, StoreError> {
-        Ok(Box::new(DyingUow(self.0.begin().await?)))
-    }
-}
-
-#[async_trait]
-impl UnitOfWork for DyingUow {
-    fn idempotency(&mut self) -> &mut dyn IdempotencyRepository {
-        self.0.idempotency()
-    }
-    fn processed_events(&mut self) -> &mut dyn ProcessedEventRepository {
-        self.0.processed_events()
-    }
-    fn outbox(&mut self) -> &mut dyn OutboxRepository {
-        self.0.outbox()
-    }
-    fn saga_steps(&mut self) -> &mut dyn SagaStepRepository {
-        self.0.saga_steps()
-    }
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self.0.as_any_mut()
-    }
-    async fn commit(self: Box<Self>) -> Result<(), StoreError> {
-        std::future::pending::<()>().await;
-        Ok(())
-    }
-    async fn rollback(self: Box<Self>) -> Result<(), StoreError> {
-        self.0.rollback().await
-    }
+/// Units whose commit never happens: the relay "dies" after publishing and before marking.
+fn die_before_commit(store: &PgStore) -> Arc<dyn TransactionManager> {
+    // the transaction stays open (its rows claimed) until the task is aborted, as in a hung process
+    let never: fn() -> idem_tests::faulty::Commit = || {
+        Box::new(|uow| {
+            Box::pin(async move {
+                let _open = uow;
+                std::future::pending().await
+            })
+        })
+    };
+    Arc::new(idem_tests::faulty::FaultyCommits::new(Arc::new(store.clone()), never))
 }
 
 #[tokio::test]
@@ -259,7 +232,7 @@ async fn relay_killed_after_publish_republishes_the_same_event_ids_and_consumers
     }
     let ids = write(&db, msgs).await?;
 
-    let dying = start_relay(Arc::new(DieBeforeCommit(db.store.clone())), &db.store, &brokers, 100).await?;
+    let dying = start_relay(die_before_commit(&db.store), &db.store, &brokers, 100).await?;
     let first = read_topic(&brokers, &topic, 30, Duration::from_secs(15)).await?;
     assert_eq!(first.len(), 30, "published before the crash");
     dying.task.abort(); // the crash: its claim transaction rolls back, rows stay unpublished
