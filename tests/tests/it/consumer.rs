@@ -516,3 +516,45 @@ async fn events_older_than_the_dedup_window_are_dead_lettered_not_applied() -> a
     assert_eq!(dlq[1].header("dlq.reason").as_deref(), Some("future-dated-event-id"));
     Ok(())
 }
+
+/// A broker cut the way the issue saw it: every connection is closed at once, then new ones are refused.
+/// librdkafka reports the refused connects ("Connect to … failed", "all brokers down") through `recv()`.
+/// The runner must count them and keep waiting: a Kafka outage never ends the consumer (nor, with it, the
+/// process).
+#[tokio::test]
+async fn a_broker_cut_never_ends_the_runner() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let port = idem_tests::port_for_child();
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    let accepted = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counter = accepted.clone();
+    // Accepts and drops three connections, then stops listening: later connects are refused.
+    let broker = tokio::spawn(async move {
+        while let Ok((conn, _)) = listener.accept().await {
+            drop(conn);
+            if counter.fetch_add(1, Ordering::SeqCst) + 1 >= 3 {
+                break;
+            }
+        }
+    });
+    let runner = Runner::new(
+        settings(&format!("127.0.0.1:{port}"), &unique_topic("g"), "orders-unreachable", 10),
+        Arc::new(db.store.clone()),
+        Arc::new(SystemClock),
+        handler(),
+    );
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone()));
+    let errors_seen =
+        eventually(Duration::from_secs(30), || async { Ok(stats.kafka_errors.get() >= 1 || task.is_finished()) })
+            .await?;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(!task.is_finished(), "the runner ended on a broker outage: {:?}", task.await);
+    assert!(errors_seen, "no client error came through recv() ({} connections)", accepted.load(Ordering::SeqCst));
+    assert!(broker.is_finished(), "the cut broker dropped its three connections");
+    stop.cancel();
+    let ended = tokio::time::timeout(Duration::from_secs(20), task).await?;
+    assert!(matches!(ended, Ok(Ok(()))), "shutdown during an outage is clean: {ended:?}");
+    Ok(())
+}
