@@ -37,7 +37,7 @@
 //! wakes an in-process relay after its commit, and asks a background task to send one debounced
 //! `NOTIFY outbox_message` (at most every 25 ms, payload = instance id) for relays of other instances; relays
 //! also poll (`adapters-postgres/src/wakeup.rs`). A wake-up starts one claim by one idle worker, at most one
-//! per `OUTBOX_MIN_CLAIM_INTERVAL` (5 ms): under a stream of commits one claim serves many of them, and the
+//! per `OUTBOX_MIN_CLAIM_INTERVAL` (10 ms): under a stream of commits one claim serves many of them, and the
 //! relay stays a small share of the database's work (see [`Relay::run`]).
 //!
 //! **Poison rows.** A row the broker refuses for good (too large, not authorized, invalid) is quarantined after
@@ -58,7 +58,7 @@
 //!
 //! **Producer settings** (`client.rs`): `enable.idempotence=true` (the broker drops retried duplicates within
 //! one producer session and keeps per-partition order), `acks=all`, `max.in.flight.requests.per.connection=5`
-//! (the bound idempotence requires), unbounded `retries` within `delivery.timeout.ms=30000`, `linger.ms=5`,
+//! (the bound idempotence requires), unbounded `retries` within `delivery.timeout.ms=30000`, `linger.ms=1`,
 //! `partitioner=murmur2_random` (the Java client's hashing: a key lands on the same partition from Java, Go
 //! with a murmur2 balancer, or idem; verified against Kafka's reference vectors). The idempotent producer only
 //! dedups within one session: a send that timed out may still have been written, and its retry can duplicate
@@ -103,14 +103,14 @@ pub struct RelaySettings {
 }
 
 impl RelaySettings {
-    /// Defaults: rounds of 2,000 rows, 4 in flight, at most one wake-up claim per 5 ms, poll every second,
+    /// Defaults: rounds of 2,000 rows, 4 in flight, at most one wake-up claim per 10 ms, poll every second,
     /// published rows kept 24 h, quarantine after 3 refusals.
     pub fn new(brokers: &str) -> Self {
         Self {
             producer: ProducerSettings::new(brokers),
             batch_size: 2000,
             poll_interval: Duration::from_secs(1),
-            min_claim_interval: Duration::from_millis(5),
+            min_claim_interval: Duration::from_millis(10),
             retention: Duration::from_secs(24 * 3600),
             concurrency: 4,
             quarantine_after: 3,

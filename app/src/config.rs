@@ -120,8 +120,11 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub outbox_poll_interval: Duration,
     /// Shortest time between two relay claims started by commits: one claim serves every commit in between.
-    #[arg(long, env = "OUTBOX_MIN_CLAIM_INTERVAL", default_value = "5ms", value_parser = parse_duration)]
+    #[arg(long, env = "OUTBOX_MIN_CLAIM_INTERVAL", default_value = "10ms", value_parser = parse_duration)]
     pub outbox_min_claim_interval: Duration,
+    /// How long the relay's producer waits to fill a batch (`linger.ms`).
+    #[arg(long, env = "OUTBOX_LINGER", default_value = "1ms", value_parser = parse_duration)]
+    pub outbox_linger: Duration,
     /// Outbox rounds in flight at once (each claims distinct keys, so per-key order holds).
     #[arg(long, env = "OUTBOX_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub outbox_concurrency: u32,

@@ -1,6 +1,7 @@
 //! HTTP benchmark: drives a running `idem serve` over loopback and prints, in one run, requests/s and
 //! p50/p99 latency for charges with the idempotency layer, the same charges with the layer off, replays
-//! of stored keys, and the ceiling — the same SQL transaction one charge executes, run by pgbench at the
+//! of stored keys, the same charges while the relay does not publish (a diagnostic of what publishing costs
+//! on shared cores), and the ceiling — the same SQL transaction one charge executes, run by pgbench at the
 //! same concurrency.
 //!
 //! Run with `scripts/bench.sh http` (builds the release binary and starts the services). Settings:
@@ -29,9 +30,10 @@ fn charge_body() -> String {
     .to_string()
 }
 
-/// Relay claims, relay rounds, committed + rolled-back transactions of the benchmark database and the
-/// service's CPU milliseconds so far (`None` where a binary does not expose one).
-async fn work(svc: &common::Service, db: &str) -> anyhow::Result<[Option<f64>; 4]> {
+/// Counters read around a phase: relay claims, relay rounds, committed + rolled-back transactions of the
+/// benchmark database, then CPU milliseconds of the service, the broker (tansu), PostgreSQL (all
+/// processes) and this load generator (`None` where a binary does not expose a counter).
+async fn work(svc: &common::Service, db: &str) -> anyhow::Result<[Option<f64>; 7]> {
     use sqlx::Connection;
     let mut conn = sqlx::PgConnection::connect(db).await?;
     // statistics of other backends reach the shared counters within a second
@@ -41,11 +43,16 @@ async fn work(svc: &common::Service, db: &str) -> anyhow::Result<[Option<f64>; 4
     )
     .fetch_one(&mut conn)
     .await?;
+    conn.close().await?;
+    let ms = |s: f64| Some(s * 1000.0);
     Ok([
         svc.metric("idem_outbox_claims_total").await.ok(),
         svc.metric("idem_outbox_rounds_total").await.ok(),
         Some(xacts as f64),
         svc.cpu_seconds().map(|s| s * 1000.0),
+        ms(common::cpu_seconds_of("tansu")),
+        ms(common::cpu_seconds_of("postgres")),
+        common::process_cpu_seconds(std::process::id()).map(|s| s * 1000.0),
     ])
 }
 
@@ -126,7 +133,14 @@ async fn main() -> anyhow::Result<()> {
         let store = idem_postgres::PgStore::connect(&db, &idem_postgres::PoolSettings::default()).await?;
         store.migrate().await?;
     }
+    let (pg, children) = (common::cpu_seconds_of("postgres"), common::children_cpu_seconds());
     let tps_first = pgbench(&db, script, concurrency, seconds)?;
+    let per_tx = |now: f64, then: f64| (now - then) * 1000.0 / (tps_first * seconds as f64);
+    println!(
+        "CPU ms per transaction (ceiling, first run): PostgreSQL {:.3}, pgbench {:.3}",
+        per_tx(common::cpu_seconds_of("postgres"), pg),
+        per_tx(common::children_cpu_seconds(), children)
+    );
     {
         // its outbox rows are not the service's to publish
         use sqlx::Connection;
@@ -152,11 +166,17 @@ async fn main() -> anyhow::Result<()> {
             _ => "n/a".into(),
         };
         println!(
-            "per charge (layer on): service CPU {} ms, {} relay claims, {} relay rounds, {} database transactions",
-            per(3),
+            "per charge (layer on): {} relay claims, {} relay rounds, {} database transactions",
             per(0),
             per(1),
             per(2)
+        );
+        println!(
+            "CPU ms per charge (layer on): service {}, broker {}, PostgreSQL {}, load generator {}",
+            per(3),
+            per(4),
+            per(5),
+            per(6)
         );
         let sent = Arc::new(sent);
         let pick = sent.clone();
@@ -178,11 +198,40 @@ async fn main() -> anyhow::Result<()> {
         .await
         .0
     };
+    // Diagnostic: the same charges while the relay does not publish (its claims are held off for the
+    // phase), to show what publishing every charge costs on cores shared with PostgreSQL and the broker.
+    let quiet = {
+        let idle = [("OUTBOX_MIN_CLAIM_INTERVAL", "1h"), ("OUTBOX_POLL_INTERVAL", "1h")];
+        let svc = common::start_service_with(&bin, &db, 18082, "on", &idle).await?;
+        let _ = phase("warm-up", &svc.base, concurrency, Duration::from_secs(2), |_, _| {
+            (Uuid::now_v7().to_string(), charge_body())
+        })
+        .await;
+        let before = work(&svc, &db).await?;
+        let (quiet, _) = phase("charge, layer on, relay idle", &svc.base, concurrency, duration, |_, _| {
+            (Uuid::now_v7().to_string(), charge_body())
+        })
+        .await;
+        let after = work(&svc, &db).await?;
+        let per = |i: usize| match (before[i], after[i]) {
+            (Some(b), Some(a)) => format!("{:.3}", (a - b) / quiet.ops as f64),
+            _ => "n/a".into(),
+        };
+        println!(
+            "CPU ms per charge (layer on, relay idle): service {}, broker {}, PostgreSQL {}, load generator {}",
+            per(3),
+            per(4),
+            per(5),
+            per(6)
+        );
+        quiet
+    };
     let tps_last = pgbench(&db, script, concurrency, seconds)?;
     let tps = (tps_first + tps_last) / 2.0;
     rows.push(on.clone());
     rows.push(off.clone());
     rows.push(replays.clone());
+    rows.push(quiet.clone());
     print_table(&rows);
     println!(
         "{:<44} {:>10} {:>8} {:>12.0}  (first {tps_first:.0}, last {tps_last:.0})",
@@ -196,6 +245,7 @@ async fn main() -> anyhow::Result<()> {
         cost * 100.0
     );
     println!("layer on / pgbench ceiling    = {:.2}  (target >= 0.80)", on.rate() / tps);
+    println!("relay idle / pgbench ceiling  = {:.2}  (diagnostic: the same, not publishing)", quiet.rate() / tps);
     println!(
         "replay speed-up (p50, rate)   = {:.1}x, {:.1}x  (target >= 2x)",
         on.p50.as_secs_f64() / replays.p50.as_secs_f64().max(1e-9),

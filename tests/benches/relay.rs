@@ -4,7 +4,7 @@
 //!
 //! Run with `scripts/bench.sh relay`. Settings: BENCH_ROWS (100000), BENCH_RATE (1000 messages/s offered
 //! for the latency phase), BENCH_SECONDS (10), BENCH_RELAY_BATCH (2000), BENCH_CLAIM_INTERVAL_US (the relay's
-//! default, 5000), DATABASE_URL, KAFKA_BROKERS.
+//! default, 10000), BENCH_LINGER_US (the producer's `linger.ms`, default 1000), DATABASE_URL, KAFKA_BROKERS.
 
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::disallowed_methods)]
 
@@ -102,6 +102,8 @@ fn start_relay(
     settings.concurrency = env_or("BENCH_RELAY_WORKERS", settings.concurrency);
     settings.min_claim_interval =
         Duration::from_micros(env_or("BENCH_CLAIM_INTERVAL_US", settings.min_claim_interval.as_micros() as u64));
+    settings.producer.linger =
+        Duration::from_micros(env_or("BENCH_LINGER_US", settings.producer.linger.as_micros() as u64));
     let relay = Relay::new(settings, Arc::new(store.clone()), Arc::new(SystemClock));
     let stats = relay.stats();
     let stop = CancellationToken::new();

@@ -88,15 +88,44 @@ pub struct Service {
     pub admin: String,
 }
 
+/// CPU seconds process `pid` has used so far (user + system, from `/proc`; USER_HZ is 100 on Linux).
+pub fn process_cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    Some(stat_ticks(&stat, &[11, 12]) / 100.0)
+}
+
+/// CPU seconds used by this process's children that ended and were waited for (pgbench runs).
+pub fn children_cpu_seconds() -> f64 {
+    std::fs::read_to_string("/proc/self/stat").map_or(0.0, |stat| stat_ticks(&stat, &[13, 14]) / 100.0)
+}
+
+/// CPU seconds used so far by every process whose command name starts with `prefix` (`postgres`: the
+/// server and its backends; `tansu`: the broker), with the children they waited for (the postmaster
+/// waits for every ended backend, so pgbench's connections are counted after they close).
+pub fn cpu_seconds_of(prefix: &str) -> f64 {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return 0.0 };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|comm| comm.starts_with(prefix)))
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            Some(stat_ticks(&stat, &[11, 12, 13, 14]) / 100.0)
+        })
+        .sum()
+}
+
+/// Sum of the given fields of a `/proc/<pid>/stat` line, counted after the command name (which may hold
+/// spaces): 11 utime, 12 stime, 13 cutime, 14 cstime.
+fn stat_ticks(stat: &str, fields: &[usize]) -> f64 {
+    let Some((_, rest)) = stat.rsplit_once(')') else { return 0.0 };
+    let all: Vec<&str> = rest.split_whitespace().collect();
+    fields.iter().filter_map(|&i| all.get(i)?.parse::<f64>().ok()).sum()
+}
+
 impl Service {
     /// CPU seconds the service process has used so far (user + system, from `/proc`).
     pub fn cpu_seconds(&self) -> Option<f64> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).ok()?;
-        // fields after the command name (which may hold spaces): state is field 3, utime 14, stime 15
-        let rest = stat.rsplit_once(')')?.1;
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-        Some(ticks / 100.0) // USER_HZ is 100 on Linux
+        process_cpu_seconds(self.child.id())
     }
 
     /// The value of `metric` (a counter or gauge without labels) on the service's `/metrics`.
@@ -118,6 +147,17 @@ impl Drop for Service {
 
 /// Starts `idem serve` from `bin` on `port` against `db_url` and waits until it answers.
 pub async fn start_service(bin: &str, db_url: &str, port: u16, layer: &str) -> anyhow::Result<Service> {
+    start_service_with(bin, db_url, port, layer, &[]).await
+}
+
+/// [`start_service`] with extra environment for this service (after `BENCH_SERVICE_ENV`).
+pub async fn start_service_with(
+    bin: &str,
+    db_url: &str,
+    port: u16,
+    layer: &str,
+    env: &[(&str, &str)],
+) -> anyhow::Result<Service> {
     let mut cmd = std::process::Command::new(bin);
     // BENCH_SERVICE_ENV="K=V K2=V2": extra environment for the service only (for example
     // TOKIO_WORKER_THREADS=1), so a setting can be measured without touching the load generator.
@@ -126,6 +166,7 @@ pub async fn start_service(bin: &str, db_url: &str, port: u16, layer: &str) -> a
             cmd.env(k, v);
         }
     }
+    cmd.envs(env.iter().copied());
     let child = cmd
         .arg("serve")
         .env("DATABASE_URL", db_url)
