@@ -302,6 +302,13 @@ async fn rebalance_under_load_keeps_effects_equal_to_distinct_events() -> anyhow
         if i == 1000
             && let Some(b) = b.take()
         {
+            // The rebalance must have happened under load before the second member leaves: wait for it to
+            // process (the producer's pace alone does not guarantee that).
+            let stats = b.stats.clone();
+            anyhow::ensure!(
+                eventually(Duration::from_secs(60), || async { Ok(stats.processed.get() > 0) }).await?,
+                "the second member never got partitions"
+            );
             b_stats = Some(b.stats.clone());
             b.stop().await; // leaves the group: its partitions go back to the first consumer
         }
@@ -556,5 +563,47 @@ async fn a_broker_cut_never_ends_the_runner() -> anyhow::Result<()> {
     stop.cancel();
     let ended = tokio::time::timeout(Duration::from_secs(20), task).await?;
     assert!(matches!(ended, Ok(Ok(()))), "shutdown during an outage is clean: {ended:?}");
+    Ok(())
+}
+
+/// A member that leaves while the group is still rebalancing to take it in (a pod killed during a rolling
+/// deploy) must not stall the members that stay: they get every partition back and consume the rest.
+#[tokio::test]
+async fn a_member_leaving_during_a_rebalance_does_not_stall_the_group() -> anyhow::Result<()> {
+    let (db, brokers, topic) = setup(4).await?;
+    let group = unique_topic("g");
+    let tm: Arc<dyn TransactionManager> = Arc::new(db.store.clone());
+    let a = start(tm.clone(), settings(&brokers, &group, &topic, 20));
+    let p = producer(&brokers)?;
+    let mut sent = 0i64;
+    let mut batch = |n: usize| {
+        let start = sent;
+        sent += n as i64;
+        (start..start + n as i64).map(|i| (Uuid::now_v7(), Uuid::now_v7(), i)).collect::<Vec<_>>()
+    };
+    for (order, event, i) in batch(100) {
+        send(&p, &topic, order, event, &placed(order, &format!("pi_mid_{i}"), 1)).await?;
+    }
+    let stats = a.stats.clone();
+    anyhow::ensure!(eventually(Duration::from_secs(60), || async { Ok(stats.processed.get() >= 100) }).await?);
+    for pause_ms in [200u64, 700, 1500] {
+        let b = start(tm.clone(), settings(&brokers, &group, &topic, 20));
+        tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+        b.stop().await;
+        for (order, event, i) in batch(100) {
+            send(&p, &topic, order, event, &placed(order, &format!("pi_mid_{i}"), 1)).await?;
+        }
+    }
+    let store = db.store.clone();
+    let done = eventually(Duration::from_secs(60), || {
+        let store = store.clone();
+        async move {
+            Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payment").fetch_one(store.pool()).await? >= sent)
+        }
+    })
+    .await?;
+    a.stop().await;
+    assert!(done, "the member that stayed consumed everything: {} of {sent}", db.count("payment").await?);
+    assert_eq!(db.count("payment").await?, sent);
     Ok(())
 }
