@@ -4,8 +4,7 @@
 //!
 //! Run with `scripts/bench.sh relay`. Settings: BENCH_ROWS (100000), BENCH_RATE (1000 messages/s offered
 //! for the latency phase), BENCH_SECONDS (10), BENCH_RELAY_BATCH (2000), BENCH_CLAIM_INTERVAL_US (the relay's
-//! default, 10000), BENCH_LINGER_US (the producer's `linger.ms`, default 1000), BENCH_DURABLE_ROUNDS=1 (rounds
-//! wait for their commit's flush, as before they were redoable), DATABASE_URL, KAFKA_BROKERS.
+//! default, 10000), BENCH_LINGER_US (the producer's `linger.ms`, default 1000), DATABASE_URL, KAFKA_BROKERS.
 
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::disallowed_methods)]
 
@@ -71,39 +70,14 @@ async fn broker_ceiling(brokers: &str, topic: &str, messages: usize) -> anyhow::
     Ok(messages as f64 / start.elapsed().as_secs_f64())
 }
 
-/// The relay's rounds as they were before they became redoable (BENCH_DURABLE_ROUNDS=1): every round
-/// waits for its commit's flush. A benchmark-side wrapper, for before/after runs.
-struct DurableRounds(PgStore);
-
-#[async_trait::async_trait]
-impl TransactionManager for DurableRounds {
-    async fn begin(&self) -> Result<Box<dyn idem_ports::UnitOfWork>, idem_ports::StoreError> {
-        self.0.begin().await
-    }
-    async fn begin_redoable(&self) -> Result<Box<dyn idem_ports::UnitOfWork>, idem_ports::StoreError> {
-        self.0.begin().await
-    }
-}
-
-/// The store the relay and the claim-and-mark ceiling use.
-fn relay_store(store: &PgStore) -> Arc<dyn TransactionManager> {
-    if env_or("BENCH_DURABLE_ROUNDS", 0) == 1 {
-        Arc::new(DurableRounds(store.clone()))
-    } else {
-        Arc::new(store.clone())
-    }
-}
-
-/// Ceiling 2: claim-and-mark transactions alone (no publishing) on the same rows, begun as the relay begins
-/// its rounds.
+/// Ceiling 2: claim-and-mark transactions alone (no publishing) on the same rows.
 async fn claim_mark_ceiling(store: &PgStore, batch: i64) -> anyhow::Result<f64> {
     sqlx::query("UPDATE outbox_message SET published_at = NULL, expires_at = NULL").execute(store.pool()).await?;
     sqlx::query("VACUUM ANALYZE outbox_message").execute(store.pool()).await?;
     let total = unpublished(store).await?;
-    let tm = relay_store(store);
     let start = Instant::now();
     loop {
-        let mut uow = tm.begin_redoable().await?;
+        let mut uow = store.begin().await?;
         let rows = uow.outbox().claim_unpublished(batch).await?;
         if rows.is_empty() {
             break;
@@ -130,7 +104,7 @@ fn start_relay(
         Duration::from_micros(env_or("BENCH_CLAIM_INTERVAL_US", settings.min_claim_interval.as_micros() as u64));
     settings.producer.linger =
         Duration::from_micros(env_or("BENCH_LINGER_US", settings.producer.linger.as_micros() as u64));
-    let relay = Relay::new(settings, relay_store(store), Arc::new(SystemClock));
+    let relay = Relay::new(settings, Arc::new(store.clone()), Arc::new(SystemClock));
     let stats = relay.stats();
     let stop = CancellationToken::new();
     let token = stop.clone();
