@@ -22,10 +22,7 @@
 //! published (they expire after `OUTBOX_RETENTION`) and counts failures on the others, then commits. There is
 //! no "last published id" cursor: sequence values are assigned at insert, not commit, so such a cursor skips
 //! rows. A crash between publish and commit re-publishes the same rows with the same `event_id`; receivers
-//! dedup them. For the same reason a round does not wait for its commit to reach the disk
-//! ([`TransactionManager::begin_redoable`], `synchronous_commit = off` for that transaction only): a round
-//! lost in a crash after its commit is a crash before it, redone by the next round. Business transactions
-//! stay durable.
+//! dedup them.
 //!
 //! **Claims lock key shards.** Each row has `key_shard` = hash(key) mod 64 (a stored generated column). A
 //! claim reads the shards of the oldest unpublished rows (no locks), takes `pg_try_advisory_xact_lock` on at
@@ -338,10 +335,7 @@ impl Relay {
 
     /// One claim-publish-mark round.
     pub async fn round(&self, producer: &FutureProducer) -> Result<Round, StoreError> {
-        // A round lost in a crash after its commit is redone: its rows are still unpublished, the next
-        // round re-publishes them under the same event_id and receivers dedup. So the round does not wait
-        // for its commit to reach the disk (one flush fewer per round, beside the business commits).
-        let mut uow = self.tm.begin_redoable().await?;
+        let mut uow = self.tm.begin().await?;
         let rows = uow.outbox().claim_unpublished(self.settings.batch_size).await?;
         self.stats.claims.inc();
         if rows.is_empty() {

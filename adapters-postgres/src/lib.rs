@@ -215,28 +215,12 @@ impl PgStore {
         let tx = self.transactions.begin().await.map_err(map_sqlx_error)?;
         Ok(PgUnitOfWork { tx, dedup: self.dedup, outbox_signal: self.outbox_signal.clone(), wrote_outbox: false })
     }
-
-    /// Begins a transaction that commits without waiting for its WAL flush (`SET LOCAL synchronous_commit
-    /// = off`, sent with `BEGIN` in one round trip): see [`TransactionManager::begin_redoable`] for when
-    /// that is safe. PostgreSQL never applies part of such a transaction; a crash may lose it whole.
-    pub async fn begin_pg_redoable(&self) -> Result<PgUnitOfWork, StoreError> {
-        let tx = self
-            .transactions
-            .begin_with(Some("BEGIN; SET LOCAL synchronous_commit = off"))
-            .await
-            .map_err(map_sqlx_error)?;
-        Ok(PgUnitOfWork { tx, dedup: self.dedup, outbox_signal: self.outbox_signal.clone(), wrote_outbox: false })
-    }
 }
 
 #[async_trait]
 impl TransactionManager for PgStore {
     async fn begin(&self) -> Result<Box<dyn UnitOfWork>, StoreError> {
         Ok(Box::new(self.begin_pg().await?))
-    }
-
-    async fn begin_redoable(&self) -> Result<Box<dyn UnitOfWork>, StoreError> {
-        Ok(Box::new(self.begin_pg_redoable().await?))
     }
 }
 

@@ -93,12 +93,6 @@ impl TxPool {
     /// A connection with a transaction begun on it. Waits at most `acquire_timeout` for a free
     /// connection (`PoolTimedOut`, which the store maps to "unavailable").
     pub(crate) async fn begin(&self) -> Result<TxConnection, sqlx::Error> {
-        self.begin_with(None).await
-    }
-
-    /// [`Self::begin`] with `statement` instead of `BEGIN` (one simple query: it may hold several
-    /// statements, sent in one round trip).
-    pub(crate) async fn begin_with(&self, statement: Option<&'static str>) -> Result<TxConnection, sqlx::Error> {
         let deadline = Instant::now() + self.inner.acquire_timeout;
         let permit = tokio::time::timeout_at(deadline, self.inner.permits.clone().acquire_owned())
             .await
@@ -123,7 +117,7 @@ impl TxPool {
                     (conn, Instant::now(), false)
                 }
             };
-            match Manager::begin(&mut conn, statement.map(std::borrow::Cow::Borrowed)).await {
+            match Manager::begin(&mut conn, None).await {
                 Ok(()) => {
                     return Ok(TxConnection {
                         conn: Some(conn),

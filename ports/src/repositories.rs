@@ -19,16 +19,6 @@ pub trait TransactionManager: Send + Sync {
     /// MUST return [`StoreError::Unavailable`] when the store cannot be reached (so callers can answer
     /// "retry later" and execute nothing).
     async fn begin(&self) -> Result<Box<dyn UnitOfWork>, StoreError>;
-
-    /// Begins a transaction whose commit may return before it is durable: a crash just after the commit
-    /// can lose the whole transaction, never part of it. Only for work its caller redoes when it is lost:
-    /// the outbox relay's rounds (a lost mark re-publishes the rows under the same `event_id`, which
-    /// receivers dedup). It spares the store one disk flush per round, which on a commit-bound disk
-    /// competes with the business commits. Never for business transactions. Stores without such a mode
-    /// begin a normal transaction (this default).
-    async fn begin_redoable(&self) -> Result<Box<dyn UnitOfWork>, StoreError> {
-        self.begin().await
-    }
 }
 
 /// One database transaction and the repositories bound to it.

@@ -54,11 +54,6 @@ impl TransactionManager for FaultyCommits {
         let commit = (self.decide)();
         Ok(Box::new(FaultyUow { inner: self.inner.begin().await?, commit }))
     }
-
-    async fn begin_redoable(&self) -> Result<Box<dyn UnitOfWork>, StoreError> {
-        let commit = (self.decide)();
-        Ok(Box::new(FaultyUow { inner: self.inner.begin_redoable().await?, commit }))
-    }
 }
 
 struct FaultyUow {

@@ -292,22 +292,6 @@ async fn a_unit_of_work_costs_its_statements_and_nothing_more() -> anyhow::Resul
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(proxy.flights() - before, 15, "five units of work of one statement: BEGIN, SELECT, COMMIT each");
 
-    // a redoable unit (the relay's) sends its `SET LOCAL synchronous_commit = off` with BEGIN
-    let before = proxy.flights();
-    let mut redoable = store.begin_pg_redoable().await?;
-    sqlx::query("SELECT 1").execute(redoable.connection()).await?;
-    Box::new(redoable).commit().await?;
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(proxy.flights() - before, 3, "BEGIN with its setting, SELECT, COMMIT");
-    let mut redoable = store.begin_pg_redoable().await?;
-    let mode: String = sqlx::query_scalar("SHOW synchronous_commit").fetch_one(redoable.connection()).await?;
-    Box::new(redoable).commit().await?;
-    assert_eq!(mode, "off", "a redoable unit does not wait for its commit's flush");
-    let mut durable = store.begin_pg().await?;
-    let mode: String = sqlx::query_scalar("SHOW synchronous_commit").fetch_one(durable.connection()).await?;
-    Box::new(durable).rollback().await?;
-    assert_eq!(mode, "on", "the setting ended with the redoable unit; the next one on its connection is durable");
-
     tokio::time::sleep(settings.ping_after_idle + Duration::from_millis(200)).await;
     let before = proxy.flights();
     unit(store.clone()).await?;
