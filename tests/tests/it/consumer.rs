@@ -586,7 +586,7 @@ async fn a_member_leaving_during_a_rebalance_does_not_stall_the_group() -> anyho
     }
     let stats = a.stats.clone();
     anyhow::ensure!(eventually(Duration::from_secs(60), || async { Ok(stats.processed.get() >= 100) }).await?);
-    for pause_ms in [200u64, 700, 1500] {
+    for pause_ms in [100u64, 700, 3000] {
         let b = start(tm.clone(), settings(&brokers, &group, &topic, 20));
         tokio::time::sleep(Duration::from_millis(pause_ms)).await;
         b.stop().await;
