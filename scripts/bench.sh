@@ -5,6 +5,10 @@
 # scripts/slowdisk/start.sh). BENCH_CLIENTS="8 32 64 128" runs the HTTP benchmark once per concurrency.
 # Other settings are environment variables documented at the top of each tests/benches/*.rs.
 set -euo pipefail
+# tansu keeps every topic in memory: after a test run it holds hundreds, and its CPU per message was 3x
+# higher than on an empty broker (BENCHMARKS.md). Benchmarks start from an empty one (BENCH_KEEP_BROKER=1
+# keeps the running broker).
+if [ "${BENCH_KEEP_BROKER:-0}" != 1 ]; then "$(dirname "$0")/services.sh" stop >/dev/null 2>&1 || true; fi
 source "$(dirname "$0")/env.sh"
 command -v pgbench >/dev/null || sudo_apt=1
 if [ "${sudo_apt:-0}" = 1 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql-client >/dev/null; fi
