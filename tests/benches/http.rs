@@ -56,6 +56,43 @@ async fn work(svc: &common::Service, db: &str) -> anyhow::Result<[Option<f64>; 7
     ])
 }
 
+/// Two seconds of charges before a measured phase.
+async fn warm_up(svc: &common::Service, concurrency: usize) {
+    let _ = phase("warm-up", &svc.base, concurrency, Duration::from_secs(2), |_, _| {
+        (Uuid::now_v7().to_string(), charge_body())
+    })
+    .await;
+}
+
+/// A warmed-up phase of new charges named `name`, printing what each charge cost: relay claims and rounds,
+/// database transactions, and CPU of the service, the broker, PostgreSQL and this load generator.
+async fn costed_charges(
+    svc: &common::Service,
+    db: &str,
+    name: &str,
+    concurrency: usize,
+    duration: Duration,
+) -> anyhow::Result<(Summary, Vec<(String, String)>)> {
+    warm_up(svc, concurrency).await;
+    let before = work(svc, db).await?;
+    let (summary, sent) =
+        phase(name, &svc.base, concurrency, duration, |_, _| (Uuid::now_v7().to_string(), charge_body())).await;
+    let after = work(svc, db).await?;
+    let per = |i: usize| match (before[i], after[i]) {
+        (Some(b), Some(a)) => format!("{:.3}", (a - b) / summary.ops as f64),
+        _ => "n/a".into(),
+    };
+    println!("per charge ({name}): {} relay claims, {} relay rounds, {} database transactions", per(0), per(1), per(2));
+    println!(
+        "CPU ms per charge ({name}): service {}, broker {}, PostgreSQL {}, load generator {}",
+        per(3),
+        per(4),
+        per(5),
+        per(6)
+    );
+    Ok((summary, sent))
+}
+
 /// One phase: `concurrency` workers sending `make()` requests until `duration` elapses.
 async fn phase<F>(
     name: &str,
@@ -151,33 +188,7 @@ async fn main() -> anyhow::Result<()> {
     let mut rows = Vec::new();
     let (on, replays) = {
         let svc = start_service(&bin, &db, 18080, "on").await?;
-        let _ = phase("warm-up", &svc.base, concurrency, Duration::from_secs(2), |_, _| {
-            (Uuid::now_v7().to_string(), charge_body())
-        })
-        .await;
-        let before = work(&svc, &db).await?;
-        let (on, sent) = phase("charge, idempotency layer on", &svc.base, concurrency, duration, |_, _| {
-            (Uuid::now_v7().to_string(), charge_body())
-        })
-        .await;
-        let after = work(&svc, &db).await?;
-        let per = |i: usize| match (before[i], after[i]) {
-            (Some(b), Some(a)) => format!("{:.3}", (a - b) / on.ops as f64),
-            _ => "n/a".into(),
-        };
-        println!(
-            "per charge (layer on): {} relay claims, {} relay rounds, {} database transactions",
-            per(0),
-            per(1),
-            per(2)
-        );
-        println!(
-            "CPU ms per charge (layer on): service {}, broker {}, PostgreSQL {}, load generator {}",
-            per(3),
-            per(4),
-            per(5),
-            per(6)
-        );
+        let (on, sent) = costed_charges(&svc, &db, "charge, idempotency layer on", concurrency, duration).await?;
         let sent = Arc::new(sent);
         let pick = sent.clone();
         let (replay, _) = phase("replay of a stored key", &svc.base, concurrency, duration, move |w, i| {
@@ -188,10 +199,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let off = {
         let svc = start_service(&bin, &db, 18081, "off").await?;
-        let _ = phase("warm-up", &svc.base, concurrency, Duration::from_secs(2), |_, _| {
-            (Uuid::now_v7().to_string(), charge_body())
-        })
-        .await;
+        warm_up(&svc, concurrency).await;
         phase("charge, idempotency layer off", &svc.base, concurrency, duration, |_, _| {
             (Uuid::now_v7().to_string(), charge_body())
         })
@@ -203,28 +211,7 @@ async fn main() -> anyhow::Result<()> {
     let quiet = {
         let idle = [("OUTBOX_MIN_CLAIM_INTERVAL", "1h"), ("OUTBOX_POLL_INTERVAL", "1h")];
         let svc = common::start_service_with(&bin, &db, 18082, "on", &idle).await?;
-        let _ = phase("warm-up", &svc.base, concurrency, Duration::from_secs(2), |_, _| {
-            (Uuid::now_v7().to_string(), charge_body())
-        })
-        .await;
-        let before = work(&svc, &db).await?;
-        let (quiet, _) = phase("charge, layer on, relay idle", &svc.base, concurrency, duration, |_, _| {
-            (Uuid::now_v7().to_string(), charge_body())
-        })
-        .await;
-        let after = work(&svc, &db).await?;
-        let per = |i: usize| match (before[i], after[i]) {
-            (Some(b), Some(a)) => format!("{:.3}", (a - b) / quiet.ops as f64),
-            _ => "n/a".into(),
-        };
-        println!(
-            "CPU ms per charge (layer on, relay idle): service {}, broker {}, PostgreSQL {}, load generator {}",
-            per(3),
-            per(4),
-            per(5),
-            per(6)
-        );
-        quiet
+        costed_charges(&svc, &db, "charge, layer on, relay idle", concurrency, duration).await?.0
     };
     let tps_last = pgbench(&db, script, concurrency, seconds)?;
     let tps = (tps_first + tps_last) / 2.0;

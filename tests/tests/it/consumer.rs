@@ -83,6 +83,14 @@ async fn setup(partitions: i32) -> anyhow::Result<(TestDb, String, String)> {
     Ok((db, brokers, topic))
 }
 
+/// Whether the database holds at least `n` payments within `timeout`.
+async fn payments_reach(db: &TestDb, n: i64, timeout: Duration) -> anyhow::Result<bool> {
+    eventually(timeout, || async {
+        Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payment").fetch_one(db.store.pool()).await? >= n)
+    })
+    .await
+}
+
 async fn send(
     p: &rdkafka::producer::FutureProducer,
     topic: &str,
@@ -250,16 +258,7 @@ async fn killed_after_db_commit_before_offset_commit_has_no_second_effect() -> a
     // first consumer: the second batch commits in the database and the process dies before the offsets
     let hang = hang_after_commit(&db.store, 2, Duration::ZERO);
     let first = start(hang, settings(&brokers, &group, &topic, 5));
-    let store = db.store.clone();
-    assert!(
-        eventually(Duration::from_secs(60), || {
-            let store = store.clone();
-            async move {
-                Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payment").fetch_one(store.pool()).await? >= 10)
-            }
-        })
-        .await?
-    );
+    assert!(payments_reach(&db, 10, Duration::from_secs(60)).await?);
     tokio::time::sleep(Duration::from_millis(500)).await;
     first.task.abort(); // the crash: no shutdown, no final offset commit
     let _ = first.task.await;
@@ -313,14 +312,7 @@ async fn rebalance_under_load_keeps_effects_equal_to_distinct_events() -> anyhow
             b.stop().await; // leaves the group: its partitions go back to the first consumer
         }
     }
-    let store = db.store.clone();
-    let done = eventually(Duration::from_secs(90), || {
-        let store = store.clone();
-        async move {
-            Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payment").fetch_one(store.pool()).await? >= distinct)
-        }
-    })
-    .await?;
+    let done = payments_reach(&db, distinct, Duration::from_secs(90)).await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let a_stats = a.stats.clone();
     a.stop().await;
@@ -594,14 +586,7 @@ async fn a_member_leaving_during_a_rebalance_does_not_stall_the_group() -> anyho
             send(&p, &topic, order, event, &placed(order, &format!("pi_mid_{i}"), 1)).await?;
         }
     }
-    let store = db.store.clone();
-    let done = eventually(Duration::from_secs(60), || {
-        let store = store.clone();
-        async move {
-            Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payment").fetch_one(store.pool()).await? >= sent)
-        }
-    })
-    .await?;
+    let done = payments_reach(&db, sent, Duration::from_secs(60)).await?;
     a.stop().await;
     assert!(done, "the member that stayed consumed everything: {} of {sent}", db.count("payment").await?);
     assert_eq!(db.count("payment").await?, sent);
