@@ -1,9 +1,8 @@
 //! The transactional-outbox relay.
 //!
-//! Each round, in one unit of work: claim up to `batch_size` unpublished rows (`FOR UPDATE SKIP LOCKED`
-//! over the partial index of unpublished rows, oldest first, whole keys at a time), hand every message to
-//! the idempotent producer in that order, wait for the delivery report of every one, then mark the
-//! delivered rows published (failures stay unpublished and are counted) and commit. A crash between
+//! Each round, in one unit of work: claim up to `batch_size` unpublished rows (oldest first, whole key
+//! shards at a time), hand every message to the idempotent producer in that order, wait for the delivery
+//! report of every one, then delete the delivered rows (failures stay and are counted) and commit. A crash between
 //! publishing and the commit re-publishes the same rows with the same `event_id`; receivers dedup them.
 //!
 //! Claims lock key shards, not keys (see `claim_unpublished` in the PostgreSQL adapter): a claim holds at
@@ -18,8 +17,8 @@
 //!
 //! Business transactions write `outbox_message` rows (id = UUID v7 = the `event_id` of every publish). The
 //! relay, in each round and one unit of work: claims up to `OUTBOX_BATCH_SIZE` unpublished rows oldest first,
-//! hands them to the producer in that order, waits for every delivery report, marks the delivered rows
-//! published (they expire after `OUTBOX_RETENTION`) and counts failures on the others, then commits. There is
+//! hands them to the producer in that order, waits for every delivery report, deletes the delivered rows and
+//! counts failures on the others, then commits. There is
 //! no "last published id" cursor: sequence values are assigned at insert, not commit, so such a cursor skips
 //! rows. A crash between publish and commit re-publishes the same rows with the same `event_id`; receivers
 //! dedup them.
@@ -44,6 +43,14 @@
 //! 3 refusals (`quarantined_at`, `last_error`, `attempts` kept; `idem_outbox_quarantined`); later rows of its
 //! key wait behind it and other keys flow without backoff. An unknown topic is retried (topics may be created
 //! after the broker returns).
+//!
+//! **Published rows are deleted, not marked.** A round deletes the rows whose delivery the broker
+//! acknowledged, in the transaction that claimed them. Marking them (`UPDATE … SET published_at`) and cleaning
+//! them up a day later wrote every message three times (a new row version with two index entries, then a
+//! delete) and left two dead versions for VACUUM; in the HTTP benchmark that was most of what publishing cost
+//! PostgreSQL (BENCHMARKS.md, issue 12). Nothing needs a published row: receivers dedup by `event_id`, and
+//! the broker is the record of what was published. So the table holds only what is still to publish (or
+//! quarantined), and a claim's index scan meets few dead entries.
 //!
 //! **Per-key order, precisely.** One key is in at most one in-flight round (its shard lock), the next round
 //! for that key starts after the previous one was acknowledged and committed, and within a round rows go out
@@ -94,8 +101,6 @@ pub struct RelaySettings {
     /// Shortest time between two claims started by wake-ups: commits arriving meanwhile are served by
     /// one claim. A full claim is followed at once, whatever this says.
     pub min_claim_interval: Duration,
-    /// How long published rows are kept before cleanup deletes them.
-    pub retention: Duration,
     /// Rounds in flight at once (each claims distinct keys).
     pub concurrency: usize,
     /// After how many refusals for good (too large, not authorized, invalid) a row is quarantined.
@@ -104,14 +109,13 @@ pub struct RelaySettings {
 
 impl RelaySettings {
     /// Defaults: rounds of 2,000 rows, 4 in flight, at most one wake-up claim per 10 ms, poll every second,
-    /// published rows kept 24 h, quarantine after 3 refusals.
+    /// quarantine after 3 refusals.
     pub fn new(brokers: &str) -> Self {
         Self {
             producer: ProducerSettings::new(brokers),
             batch_size: 2000,
             poll_interval: Duration::from_secs(1),
             min_claim_interval: Duration::from_millis(10),
-            retention: Duration::from_secs(24 * 3600),
             concurrency: 4,
             quarantine_after: 3,
         }
@@ -121,7 +125,7 @@ impl RelaySettings {
 /// Metrics of a running relay (register them with [`RelayStats::register`]).
 #[derive(Debug)]
 pub struct RelayStats {
-    /// Messages published and marked.
+    /// Messages published: acknowledged by the broker and deleted from the outbox.
     pub published: Counter,
     /// Deliveries that failed.
     pub failed: Counter,
@@ -131,7 +135,7 @@ pub struct RelayStats {
     pub claims: Counter,
     /// Rows quarantined because the broker refuses them for good.
     pub quarantined: Counter,
-    /// Seconds from a row's creation (its transaction) to the relay's mark after the broker's ack.
+    /// Seconds from a row's creation (its transaction) to its delete after the broker's ack.
     pub publish_latency: Histogram,
 }
 
@@ -152,9 +156,13 @@ impl RelayStats {
     /// Registers the metrics under `idem_outbox_`.
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("idem_outbox");
-        r.register("published", "Outbox messages published and marked", self.published.clone());
+        r.register(
+            "published",
+            "Outbox messages published (acknowledged and deleted from the outbox)",
+            self.published.clone(),
+        );
         r.register("publish_failures", "Outbox messages whose delivery failed (left unpublished)", self.failed.clone());
-        r.register("rounds", "Claim-publish-mark rounds committed", self.rounds.clone());
+        r.register("rounds", "Claim-publish-delete rounds committed", self.rounds.clone());
         r.register("claims", "Claims of unpublished rows, including those that found none", self.claims.clone());
         r.register(
             "quarantined",
@@ -333,7 +341,7 @@ impl Relay {
         Ok(())
     }
 
-    /// One claim-publish-mark round.
+    /// One claim-publish-delete round.
     pub async fn round(&self, producer: &FutureProducer) -> Result<Round, StoreError> {
         let mut uow = self.tm.begin().await?;
         let rows = uow.outbox().claim_unpublished(self.settings.batch_size).await?;
@@ -342,7 +350,7 @@ impl Relay {
             return Ok(Round { claimed: 0, failed: 0, session_broken: false });
         }
         // Enqueue in claim order (per key: commit order), then collect every delivery report. Once a row of
-        // a key failed, the later rows of that key are not sent (or, if already sent, not marked): they
+        // a key failed, the later rows of that key are not sent (or, if already sent, not deleted): they
         // wait behind it, so a key never publishes out of order.
         let mut blocked: HashSet<&str> = HashSet::new();
         let mut pending = Vec::with_capacity(rows.len());
@@ -404,10 +412,9 @@ impl Relay {
             }
         }
         let now = self.clock.now();
-        let expires = now + chrono::Duration::from_std(self.settings.retention).unwrap_or(chrono::Duration::hours(24));
         let ids: Vec<_> = delivered.iter().map(|r| r.id).collect();
         if !ids.is_empty() {
-            uow.outbox().mark_published(&ids, now, expires).await?;
+            uow.outbox().delete_published(&ids).await?;
         }
         if !failed.is_empty() {
             uow.outbox().record_failure(&failed, &last_error).await?;

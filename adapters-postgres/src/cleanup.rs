@@ -1,4 +1,5 @@
-//! Deletes expired rows: idempotency records, processed events, published outbox rows.
+//! Deletes expired rows: idempotency records and processed events (the relay deletes published outbox rows
+//! itself, in the round that published them).
 //!
 //! Each round takes a transaction-scoped advisory lock, held by a transaction of its own for the round, so
 //! only one instance cleans at a time and nothing outlives the round on a pooled connection (a crash frees
@@ -10,7 +11,7 @@
 //! # Retention and cleanup
 //!
 //! Every expiring row carries `expires_at`, indexed: idempotency records (`IDEMPOTENCY_TTL`, 24–72 h),
-//! processed events (`DEDUP_TTL`, 24–72 h), published outbox rows (`OUTBOX_RETENTION`). `TtlPolicy` refuses
+//! processed events (`DEDUP_TTL`, 24–72 h); published outbox rows are deleted by the relay. `TtlPolicy` refuses
 //! anything outside 24–72 h at start-up. The cleaner (`idem_postgres::cleanup`, started by `idem serve`
 //! every `CLEANUP_INTERVAL`, or `idem cleanup --once`) takes a transaction-scoped advisory lock in a
 //! transaction of its own that lives for the round (one cleaner at a time across instances; nothing survives the
@@ -76,20 +77,17 @@ pub enum ExpiringTable {
     IdempotencyRecord,
     /// `processed_event`.
     ProcessedEvent,
-    /// `outbox_message` (published rows only).
-    OutboxMessage,
 }
 
 impl ExpiringTable {
     /// Every table the cleaner deletes from.
-    pub const ALL: [Self; 3] = [Self::IdempotencyRecord, Self::ProcessedEvent, Self::OutboxMessage];
+    pub const ALL: [Self; 2] = [Self::IdempotencyRecord, Self::ProcessedEvent];
 
     /// The table's name (a metric label).
     pub fn name(self) -> &'static str {
         match self {
             Self::IdempotencyRecord => "idempotency_record",
             Self::ProcessedEvent => "processed_event",
-            Self::OutboxMessage => "outbox_message",
         }
     }
 }
@@ -217,17 +215,6 @@ async fn delete_batch(
             sqlx::query!(
                 "DELETE FROM processed_event WHERE (consumer_name, event_id) IN (
                  SELECT consumer_name, event_id FROM processed_event WHERE expires_at <= $1
-                 ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)",
-                now,
-                limit,
-            )
-            .execute(&mut *conn)
-            .await
-        }
-        ExpiringTable::OutboxMessage => {
-            sqlx::query!(
-                "DELETE FROM outbox_message WHERE id IN (
-                 SELECT id FROM outbox_message WHERE expires_at <= $1 AND published_at IS NOT NULL
                  ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)",
                 now,
                 limit,

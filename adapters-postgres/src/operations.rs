@@ -103,11 +103,10 @@ impl PgStore {
     pub async fn health(&self) -> Result<Health, StoreError> {
         let row = sqlx::query!(
             r#"SELECT
-                 (SELECT count(*) FROM outbox_message WHERE published_at IS NULL) AS "backlog!",
+                 (SELECT count(*) FROM outbox_message) AS "backlog!",
                  (SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM outbox_message
-                   WHERE published_at IS NULL AND quarantined_at IS NULL) AS "oldest!",
-                 (SELECT count(*) FROM outbox_message
-                   WHERE published_at IS NULL AND quarantined_at IS NOT NULL) AS "quarantined!",
+                   WHERE quarantined_at IS NULL) AS "oldest!",
+                 (SELECT count(*) FROM outbox_message WHERE quarantined_at IS NOT NULL) AS "quarantined!",
                  (SELECT coalesce(extract(epoch FROM now() - min(a.xact_start)), 0)::float8
                     FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
                    WHERE l.relation = 'idempotency_record'::regclass AND l.mode = 'RowExclusiveLock'
@@ -129,7 +128,6 @@ impl PgStore {
         sqlx::query_scalar!(
             r#"SELECT (SELECT count(*) FROM idempotency_record WHERE expires_at <= $1)
                     + (SELECT count(*) FROM processed_event WHERE expires_at <= $1)
-                    + (SELECT count(*) FROM outbox_message WHERE expires_at <= $1 AND published_at IS NOT NULL)
                     AS "n!""#,
             now,
         )
@@ -148,8 +146,7 @@ impl PgStore {
             OutboxRow,
             r#"SELECT id, topic, aggregateid AS key, type AS event_type, created_at, attempts, last_error, quarantined_at
                FROM outbox_message
-               WHERE published_at IS NULL
-                 AND (NOT $1 OR quarantined_at IS NOT NULL)
+               WHERE (NOT $1 OR quarantined_at IS NOT NULL)
                  AND ($2::timestamptz IS NULL OR created_at < $2)
                ORDER BY seq
                LIMIT $3"#,
@@ -167,7 +164,7 @@ impl PgStore {
     pub async fn retry_outbox(&self, ids: &[Uuid]) -> Result<Vec<Uuid>, StoreError> {
         let released = sqlx::query_scalar!(
             r#"UPDATE outbox_message SET quarantined_at = NULL, attempts = 0
-               WHERE id = ANY($1) AND published_at IS NULL
+               WHERE id = ANY($1)
                RETURNING id"#,
             ids,
         )

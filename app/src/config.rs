@@ -128,9 +128,6 @@ pub struct RelayArgs {
     /// Outbox rounds in flight at once (each claims distinct keys, so per-key order holds).
     #[arg(long, env = "OUTBOX_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub outbox_concurrency: u32,
-    /// How long published outbox rows are kept.
-    #[arg(long, env = "OUTBOX_RETENTION", default_value = "24h", value_parser = parse_duration)]
-    pub outbox_retention: Duration,
 }
 
 /// `idem relay` settings: the outbox relay alone.

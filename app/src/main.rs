@@ -220,7 +220,6 @@ mod tests {
         assert_eq!(args.relay.outbox_poll_interval, relay.poll_interval);
         assert_eq!(args.relay.outbox_min_claim_interval, relay.min_claim_interval);
         assert_eq!(args.relay.outbox_linger, relay.producer.linger);
-        assert_eq!(args.relay.outbox_retention, relay.retention);
         assert_eq!(args.relay.outbox_concurrency as usize, relay.concurrency);
         let layer = IdempotencyConfig::new(args.idempotency_ttl, idem_http::merchant_scope());
         assert_eq!(args.idempotency_wait, layer.wait);

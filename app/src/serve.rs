@@ -32,7 +32,6 @@ fn relay_settings(kafka: &KafkaArgs, relay: &RelayArgs) -> RelaySettings {
     settings.poll_interval = relay.outbox_poll_interval;
     settings.min_claim_interval = relay.outbox_min_claim_interval;
     settings.producer.linger = relay.outbox_linger;
-    settings.retention = relay.outbox_retention;
     settings.concurrency = relay.outbox_concurrency as usize;
     settings
 }

@@ -18,7 +18,7 @@
 //! | [`Action::CommitOtherPartitions`] | `Offsets::commit` run for a batch of another partition |
 //! | [`Action::Crash`] | the process dies; it restarts from the committed offset |
 //! | [`Action::PassDedupWindow`] | time passes `DEDUP_TTL`: the cleaner drops the event's processed row (`cleanup.rs`) |
-//! | [`Action::Claim`], [`Action::Publish`], [`Action::Mark`] | `Relay::round` (`relay.rs`): `claim_unpublished`, send + delivery report, `mark_published` + commit |
+//! | [`Action::Claim`], [`Action::Publish`], [`Action::Mark`] | `Relay::round` (`relay.rs`): `claim_unpublished`, send + delivery report, `delete_published` + commit |
 //! | [`Action::RelayCrash`] | the relay's process dies: its transaction rolls back |
 
 use std::collections::BTreeSet;
@@ -166,7 +166,7 @@ pub enum Action {
     Claim,
     /// Send and wait for the delivery report.
     Publish,
-    /// `mark_published` + commit.
+    /// `delete_published` + commit (the model's "mark": the row leaves the set to publish).
     Mark,
     /// The relay's process dies.
     RelayCrash,

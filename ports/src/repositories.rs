@@ -183,13 +183,9 @@ pub trait OutboxRepository: Send {
     /// concurrent relays never publish one key's messages out of order nor a row twice at the same time.
     async fn claim_unpublished(&mut self, limit: i64) -> Result<Vec<OutboxRecord>, StoreError>;
 
-    /// Marks rows published; they are kept until `expires_at`, then cleaned up.
-    async fn mark_published(
-        &mut self,
-        ids: &[Uuid],
-        published_at: DateTime<Utc>,
-        expires_at: DateTime<Utc>,
-    ) -> Result<(), StoreError>;
+    /// Deletes rows whose publish the broker acknowledged: one write per row, nothing left to clean up.
+    /// Receivers dedup by event id, so nothing needs a published row afterwards.
+    async fn delete_published(&mut self, ids: &[Uuid]) -> Result<(), StoreError>;
 
     /// Records a failed publish attempt of rows that stay unpublished.
     async fn record_failure(&mut self, ids: &[Uuid], error: &str) -> Result<(), StoreError>;

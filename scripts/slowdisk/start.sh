@@ -3,7 +3,8 @@
 # a commit-bound disk, emulated with an LD_PRELOAD shim (slowfsync.c) and wal_sync_method=fdatasync.
 # Prints the cluster's URL on stdout; pg_test_fsync under the same shim confirms the delay (stderr).
 #   scripts/slowdisk/start.sh [stop]
-# Settings: FSYNC_DELAY (2ms; a number with us or ms), SLOWDISK_PORT (5433).
+# Settings: FSYNC_DELAY (2ms; a number with us or ms), SLOWDISK_PORT (5433), SLOWDISK_OPTS (more server
+# options, e.g. "-c shared_preload_libraries=pg_stat_statements" to see where a benchmark's SQL time goes).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 state="$root/.local/slowdisk"
@@ -33,6 +34,6 @@ fi
 log "pg_test_fsync with the shim (${us} us per flush):"
 (cd /tmp && as_pg env LD_PRELOAD="$state/slowfsync.so" IDEM_FSYNC_DELAY_US="$us" "$bindir/pg_test_fsync" -s 1 -f "$state/fsync.probe" 2>&1 | grep -m1 -E "^\s+fdatasync" >&2) || true
 as_pg env LD_PRELOAD="$state/slowfsync.so" IDEM_FSYNC_DELAY_US="$us" "$bindir/pg_ctl" -D "$state/data" -l "$state/postgres.log" -w start \
-  -o "-p $port -c listen_addresses=127.0.0.1 -c unix_socket_directories=/tmp -c wal_sync_method=fdatasync -c max_connections=400 -c shared_buffers=512MB -c synchronous_commit=on -c fsync=on" >/dev/null
+  -o "-p $port -c listen_addresses=127.0.0.1 -c unix_socket_directories=/tmp -c wal_sync_method=fdatasync -c max_connections=400 -c shared_buffers=512MB -c synchronous_commit=on -c fsync=on ${SLOWDISK_OPTS:-}" >/dev/null
 log "commit-bound PostgreSQL on 127.0.0.1:$port (fsync +${us} us)"
 echo "postgres://postgres@127.0.0.1:$port/postgres"

@@ -100,11 +100,9 @@ impl TestDb {
         self.store.pool()
     }
 
-    /// Outbox rows not yet published.
+    /// Outbox rows not yet published (quarantined ones included): the relay deletes what it published.
     pub async fn unpublished(&self) -> anyhow::Result<i64> {
-        Ok(sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE published_at IS NULL")
-            .fetch_one(self.pool())
-            .await?)
+        Ok(sqlx::query_scalar("SELECT count(*) FROM outbox_message").fetch_one(self.pool()).await?)
     }
 
     /// Waits until every outbox row is published; false when `timeout` passed first.
@@ -113,6 +111,31 @@ impl TestDb {
     }
 
     /// Number of rows of a table (test-only, table names are literals of the tests).
+    /// Keeps the id of every committed outbox row in `test_outbox_log` (a trigger in the writing
+    /// transaction, so rolled-back rows are never logged): the relay deletes the rows it publishes, and the
+    /// fault suite checks every committed one arrived.
+    pub async fn log_outbox_rows(&self) -> anyhow::Result<()> {
+        sqlx::raw_sql(
+            "CREATE TABLE test_outbox_log (id uuid PRIMARY KEY);
+             CREATE FUNCTION test_outbox_log() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN INSERT INTO test_outbox_log VALUES (NEW.id) ON CONFLICT DO NOTHING; RETURN NULL; END $$;
+             CREATE TRIGGER test_outbox_log AFTER INSERT ON outbox_message
+                 FOR EACH ROW EXECUTE FUNCTION test_outbox_log();",
+        )
+        .execute(self.pool())
+        .await?;
+        Ok(())
+    }
+
+    /// Ids of every committed outbox row since [`TestDb::log_outbox_rows`].
+    pub async fn logged_outbox_rows(&self) -> anyhow::Result<std::collections::BTreeSet<String>> {
+        Ok(sqlx::query_scalar("SELECT id::text FROM test_outbox_log")
+            .fetch_all(self.pool())
+            .await?
+            .into_iter()
+            .collect())
+    }
+
     pub async fn count(&self, table: &str) -> anyhow::Result<i64> {
         Ok(sqlx::query_scalar(&format!("SELECT count(*) FROM {table}")).fetch_one(self.pool()).await?)
     }

@@ -1,7 +1,6 @@
-//! `OutboxRepository`: enqueue, claim by key shards, mark, quarantine.
+//! `OutboxRepository`: enqueue, claim by key shards, delete what was published, quarantine.
 
 use async_trait::async_trait;
-use chrono::{DateTime, Utc};
 use idem_ports::{NewOutboxMessage, OutboxRecord, OutboxRepository, StoreError};
 use uuid::Uuid;
 
@@ -83,10 +82,10 @@ impl OutboxRepository for PgUnitOfWork {
         // holds at most SHARDS_PER_CLAIM advisory locks whatever plan the planner picks, and all relays
         // together at most OUTBOX_KEY_SHARDS. A key belongs to one shard, so no two relays ever publish
         // one key at once, and a key's rows are claimed in `seq` order. `FOR UPDATE` (no SKIP LOCKED: a
-        // skipped row would let a later row of its key overtake it) re-checks `published_at` against the
-        // latest committed version. Quarantined rows, and every row of a key that has one, are skipped.
+        // skipped row would let a later row of its key overtake it) re-reads each row at its latest committed
+        // version: a row another relay published and deleted meanwhile is dropped from the claim. Quarantined rows, and every row of a key that has one, are skipped.
         // Prefer reading the unpublished rows in `seq` order from their index over a bitmap scan and a sort:
-        // an index scan marks the entries of published (dead) rows as it passes them, so the next claims skip
+        // an index scan marks the entries of published (deleted) rows as it passes them, so the next claims skip
         // them; a bitmap scan revisits every dead entry on every claim until VACUUM (measured: 100,000 dead
         // entries made each claim ~8 ms and the relay's p99 commit-to-publish 130 ms). Discouraging the sort
         // (not forbidding bitmap scans) leaves the planner every plan when index scans are unavailable.
@@ -95,9 +94,9 @@ impl OutboxRepository for PgUnitOfWork {
         let rows = sqlx::query!(
             r#"WITH candidates AS MATERIALIZED (
                    SELECT key_shard FROM outbox_message o
-                   WHERE published_at IS NULL AND quarantined_at IS NULL
+                   WHERE quarantined_at IS NULL
                      AND NOT EXISTS (SELECT 1 FROM outbox_message q WHERE q.aggregateid = o.aggregateid
-                                     AND q.quarantined_at IS NOT NULL AND q.published_at IS NULL)
+                                     AND q.quarantined_at IS NOT NULL)
                    ORDER BY seq LIMIT $1
                ), held AS MATERIALIZED (
                    SELECT s.key_shard
@@ -108,9 +107,9 @@ impl OutboxRepository for PgUnitOfWork {
                SELECT id, topic, aggregatetype, aggregateid, type AS "event_type", payload::text AS "payload!", headers, saga_id,
                       created_at, attempts
                FROM outbox_message o
-               WHERE published_at IS NULL AND quarantined_at IS NULL AND key_shard IN (SELECT key_shard FROM held)
+               WHERE quarantined_at IS NULL AND key_shard IN (SELECT key_shard FROM held)
                  AND NOT EXISTS (SELECT 1 FROM outbox_message q WHERE q.aggregateid = o.aggregateid
-                                 AND q.quarantined_at IS NOT NULL AND q.published_at IS NULL)
+                                 AND q.quarantined_at IS NOT NULL)
                ORDER BY seq
                LIMIT $1
                FOR UPDATE"#,
@@ -144,21 +143,11 @@ impl OutboxRepository for PgUnitOfWork {
             .collect()
     }
 
-    async fn mark_published(
-        &mut self,
-        ids: &[Uuid],
-        published_at: DateTime<Utc>,
-        expires_at: DateTime<Utc>,
-    ) -> Result<(), StoreError> {
-        sqlx::query!(
-            "UPDATE outbox_message SET published_at = $2, expires_at = $3, last_error = NULL WHERE id = ANY($1)",
-            ids,
-            published_at,
-            expires_at,
-        )
-        .execute(self.connection())
-        .await
-        .map_err(map_sqlx_error)?;
+    async fn delete_published(&mut self, ids: &[Uuid]) -> Result<(), StoreError> {
+        sqlx::query!("DELETE FROM outbox_message WHERE id = ANY($1)", ids)
+            .execute(self.connection())
+            .await
+            .map_err(map_sqlx_error)?;
         Ok(())
     }
 
@@ -180,7 +169,7 @@ impl OutboxRepository for PgUnitOfWork {
                    UPDATE outbox_message
                    SET attempts = attempts + 1, last_error = left($2, 1000),
                        quarantined_at = CASE WHEN attempts + 1 >= $3 THEN now() END
-                   WHERE id = ANY($1) AND published_at IS NULL
+                   WHERE id = ANY($1)
                    RETURNING quarantined_at
                )
                SELECT count(*) FILTER (WHERE quarantined_at IS NOT NULL) AS "n!" FROM updated"#,
@@ -195,7 +184,7 @@ impl OutboxRepository for PgUnitOfWork {
     }
 
     async fn backlog(&mut self) -> Result<i64, StoreError> {
-        sqlx::query_scalar!(r#"SELECT count(*) AS "n!" FROM outbox_message WHERE published_at IS NULL"#)
+        sqlx::query_scalar!(r#"SELECT count(*) AS "n!" FROM outbox_message"#)
             .fetch_one(self.connection())
             .await
             .map_err(map_sqlx_error)

@@ -222,6 +222,14 @@ impl Findings {
     }
 }
 
+/// A scenario's database: every committed outbox row is logged for invariant 3 (the relay deletes the rows
+/// it publishes).
+pub async fn scenario_db() -> anyhow::Result<TestDb> {
+    let db = TestDb::new().await?;
+    db.log_outbox_rows().await?;
+    Ok(db)
+}
+
 /// Invariants 1 and 2 for HTTP charges, 2 for Kafka-driven payments and refunds, 3 for the outbox.
 pub async fn check(
     db: &TestDb,
@@ -278,8 +286,7 @@ pub async fn check(
     if !drained {
         f.lost("outbox rows still unpublished after 60 s".into());
     }
-    let rows: BTreeSet<String> =
-        sqlx::query_scalar("SELECT id::text FROM outbox_message").fetch_all(db.pool()).await?.into_iter().collect();
+    let rows = db.logged_outbox_rows().await?;
     let mut read = read_topic(brokers, &service.payments_topic, rows.len(), Duration::from_secs(30)).await?;
     let mut published: BTreeSet<String> = read.iter().filter_map(|m| m.header("event_id")).collect();
     if !rows.is_subset(&published) {

@@ -9,7 +9,7 @@ use idem_tests::kafka::{ProxiedBroker, TcpProxy, eventually, produce, producer};
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::harness::{API_KEY, Ledger, Service, Summary, charge_request, check, print, scale};
+use crate::harness::{API_KEY, Ledger, Service, Summary, charge_request, check, print, scale, scenario_db};
 
 /// Produces `orders` OrderPlaced events, 30 % of them sent twice with the same event_id, and for every
 /// tenth order an OrderCancelled sent twice under one saga id.
@@ -118,7 +118,7 @@ fn finish(summary: &Summary) {
 
 #[tokio::test]
 async fn s1_kill9_during_mixed_http_and_kafka_load() -> anyhow::Result<()> {
-    let db = TestDb::new().await?;
+    let db = scenario_db().await?;
     let brokers = idem_tests::kafka_brokers().await?;
     let mut service = Service::new(&db.url, &brokers);
     service.start().await?;
@@ -199,7 +199,7 @@ impl ServiceRef {
 
 #[tokio::test]
 async fn s4_duplicate_storm() -> anyhow::Result<()> {
-    let db = TestDb::new().await?;
+    let db = scenario_db().await?;
     let brokers = idem_tests::kafka_brokers().await?;
     let mut service = Service::new(&db.url, &brokers);
     service.start().await?;
@@ -277,7 +277,7 @@ async fn s4_duplicate_storm() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn s3_broker_connection_cut_and_restored() -> anyhow::Result<()> {
-    let db = TestDb::new().await?;
+    let db = scenario_db().await?;
     let broker = ProxiedBroker::start().await?;
     let mut service = Service::new(&db.url, &broker.bootstrap);
     service.start().await?;
@@ -317,7 +317,7 @@ async fn s3_broker_connection_cut_and_restored() -> anyhow::Result<()> {
 
 /// Scenarios 2 and 6: the service reaches PostgreSQL through a proxy the test controls.
 async fn database_fault(name: &'static str, outage: Duration, cuts: usize, env: &[(&str, &str)]) -> anyhow::Result<()> {
-    let db = TestDb::new().await?;
+    let db = scenario_db().await?;
     let brokers = idem_tests::kafka_brokers().await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let proxy = TcpProxy::start(listener, "127.0.0.1:5432".parse()?)?;
@@ -391,7 +391,7 @@ async fn s9_database_outage_longer_than_max_poll_interval() -> anyhow::Result<()
 
 #[tokio::test]
 async fn s5_consumer_group_churn() -> anyhow::Result<()> {
-    let db = TestDb::new().await?;
+    let db = scenario_db().await?;
     let brokers = idem_tests::kafka_brokers().await?;
     let first = Service::new(&db.url, &brokers);
     let (orders_topic, payments_topic, group) =
@@ -442,7 +442,7 @@ async fn s5_consumer_group_churn() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn s7_sigterm_during_load_drains_gracefully() -> anyhow::Result<()> {
-    let db = TestDb::new().await?;
+    let db = scenario_db().await?;
     let brokers = idem_tests::kafka_brokers().await?;
     let mut service = Service::new(&db.url, &brokers);
     service.start().await?;
@@ -481,7 +481,7 @@ async fn s7_sigterm_during_load_drains_gracefully() -> anyhow::Result<()> {
 /// events flow. Nothing about Kafka may keep the HTTP API from serving.
 #[tokio::test]
 async fn s8_start_and_restart_during_a_broker_outage() -> anyhow::Result<()> {
-    let db = TestDb::new().await?;
+    let db = scenario_db().await?;
     let broker = ProxiedBroker::start().await?;
     broker.proxy.cut();
     let mut service = Service::new(&db.url, &broker.bootstrap);
@@ -529,7 +529,7 @@ async fn s8_start_and_restart_during_a_broker_outage() -> anyhow::Result<()> {
 /// after a burst, before statistics): every row published, no lock-table exhaustion, no duplicate.
 #[tokio::test]
 async fn s10_large_outbox_backlog_with_a_forced_plan() -> anyhow::Result<()> {
-    let db = TestDb::new().await?;
+    let db = scenario_db().await?;
     let brokers = idem_tests::kafka_brokers().await?;
     let mut service = Service::new(&db.url, &brokers);
     db.store.migrate().await?;
@@ -579,7 +579,7 @@ async fn s10_large_outbox_backlog_with_a_forced_plan() -> anyhow::Result<()> {
 /// `older-than-dedup-window`.
 #[tokio::test]
 async fn s11_lag_past_a_partition_boundary_with_redelivery() -> anyhow::Result<()> {
-    let db = TestDb::new().await?;
+    let db = scenario_db().await?;
     let brokers = idem_tests::kafka_brokers().await?;
     let mut service = Service::new(&db.url, &brokers)
         .with_env("DEDUP_STORAGE", "partitioned")
@@ -690,7 +690,7 @@ async fn s11_lag_past_a_partition_boundary_with_redelivery() -> anyhow::Result<(
 /// attempts, holds the later row of its key behind it, and publishes every charge.
 #[tokio::test]
 async fn s12_poison_outbox_row_under_load() -> anyhow::Result<()> {
-    let db = TestDb::new().await?;
+    let db = scenario_db().await?;
     let brokers = idem_tests::kafka_brokers().await?;
     let mut service = Service::new(&db.url, &brokers);
     service.start().await?;
@@ -727,7 +727,7 @@ async fn s12_poison_outbox_row_under_load() -> anyhow::Result<()> {
             .await?;
     assert!(quarantined && (1..=5).contains(&attempts), "poison row: quarantined {quarantined}, {attempts} attempts");
     assert!(error.is_some_and(|e| !e.is_empty()), "the quarantined row keeps its last error");
-    let held: bool = sqlx::query_scalar("SELECT published_at IS NULL FROM outbox_message WHERE id = $1")
+    let held: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM outbox_message WHERE id = $1)")
         .bind(after)
         .fetch_one(db.pool())
         .await?;
@@ -737,6 +737,7 @@ async fn s12_poison_outbox_row_under_load() -> anyhow::Result<()> {
     assert!(service.alive(), "the poison row ended the idem process");
     // the poison key's two rows are asserted above; the generic check covers everything else
     sqlx::query("DELETE FROM outbox_message WHERE aggregateid = 'poison-key'").execute(db.pool()).await?;
+    sqlx::query("DELETE FROM test_outbox_log WHERE id = ANY($1)").bind([poison, after]).execute(db.pool()).await?;
     let found = check(&db, &ledger, &service, &brokers, &BTreeSet::new()).await?;
     summary.findings.absorb(found);
     finish(&summary);
