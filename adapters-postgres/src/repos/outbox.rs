@@ -10,7 +10,8 @@ use crate::error::map_sqlx_error;
 /// Number of key shards of the outbox (`key_shard` in the migrations); also the most advisory locks all
 /// relays together hold.
 pub const OUTBOX_KEY_SHARDS: i64 = 64;
-/// Most shards (so most advisory locks) one claim takes: a quarter, so four relay rounds share the keys.
+/// Most shards (so most advisory locks) one claim over a backlog takes: a quarter, so four relay rounds
+/// share the keys. A claim that finds less than a full batch takes every shard it found.
 pub const SHARDS_PER_CLAIM: i64 = OUTBOX_KEY_SHARDS / 4;
 
 #[async_trait]
@@ -77,13 +78,18 @@ impl OutboxRepository for PgUnitOfWork {
     async fn claim_unpublished(&mut self, limit: i64) -> Result<Vec<OutboxRecord>, StoreError> {
         // Keys are spread over OUTBOX_KEY_SHARDS shards (`key_shard`, a hash of the key). A claim first
         // reads the shards of the oldest unpublished rows (no locks), then takes a transaction-scoped
-        // advisory lock on at most SHARDS_PER_CLAIM of them, and claims the oldest rows of the shards it
-        // holds. The lock function runs only over the distinct shards of a materialized set, so a claim
-        // holds at most SHARDS_PER_CLAIM advisory locks whatever plan the planner picks, and all relays
-        // together at most OUTBOX_KEY_SHARDS. A key belongs to one shard, so no two relays ever publish
-        // one key at once, and a key's rows are claimed in `seq` order. `FOR UPDATE` (no SKIP LOCKED: a
-        // skipped row would let a later row of its key overtake it) re-reads each row at its latest committed
-        // version: a row another relay published and deleted meanwhile is dropped from the claim. Quarantined rows, and every row of a key that has one, are skipped.
+        // advisory lock on them, oldest row first, and claims the oldest rows of the shards it holds. Facing
+        // a backlog (a full batch of candidates) it locks at most SHARDS_PER_CLAIM shards, leaving the rest to
+        // the other workers' rounds; otherwise it locks every shard it found, so one claim takes every row
+        // waiting since the last one (rows left for a follow-up claim waited a whole claim interval more).
+        // Shards are tried in the order of their oldest candidate, so the oldest row is always claimed unless
+        // another round holds its shard. The lock function runs only over the distinct shards of a
+        // materialized set, so a claim holds at most OUTBOX_KEY_SHARDS advisory locks whatever plan the
+        // planner picks, and so do all relays together. A key belongs to one shard, so no two relays ever
+        // publish one key at once, and a key's rows are claimed in `seq` order. Rows of a shard change only
+        // under its lock (a round deletes, counts failures, quarantines), so rows read after the lock is
+        // held need no row locks: a row another round published is already gone from that snapshot.
+        // Quarantined rows, and every row of a key that has one, are skipped.
         // Prefer reading the unpublished rows in `seq` order from their index over a bitmap scan and a sort:
         // an index scan marks the entries of published (deleted) rows as it passes them, so the next claims skip
         // them; a bitmap scan revisits every dead entry on every claim until VACUUM (measured: 100,000 dead
@@ -91,30 +97,44 @@ impl OutboxRepository for PgUnitOfWork {
         // (not forbidding bitmap scans) leaves the planner every plan when index scans are unavailable.
         // Transaction-scoped, like everything this unit sets.
         sqlx::query("SET LOCAL enable_sort = off").execute(self.connection()).await.map_err(map_sqlx_error)?;
-        let rows = sqlx::query!(
+        // Two statements: the rows are read with a snapshot taken after the shard locks are held. In one
+        // statement the snapshot predates the locks, so a round that quarantined a key's first row and
+        // committed just before the lock was taken left that key's later rows looking claimable, while
+        // `FOR UPDATE` dropped the changed first row (test
+        // `a_claim_racing_a_quarantine_never_takes_the_rows_behind_it`).
+        let held: Vec<i32> = sqlx::query_scalar!(
             r#"WITH candidates AS MATERIALIZED (
-                   SELECT key_shard FROM outbox_message o
+                   SELECT key_shard, seq FROM outbox_message o
                    WHERE quarantined_at IS NULL
                      AND NOT EXISTS (SELECT 1 FROM outbox_message q WHERE q.aggregateid = o.aggregateid
                                      AND q.quarantined_at IS NOT NULL)
                    ORDER BY seq LIMIT $1
-               ), held AS MATERIALIZED (
-                   SELECT s.key_shard
-                   FROM (SELECT DISTINCT key_shard FROM candidates) AS s
-                   WHERE pg_try_advisory_xact_lock(7368, s.key_shard)
-                   LIMIT $2
                )
-               SELECT id, topic, aggregatetype, aggregateid, type AS "event_type", payload::text AS "payload!", headers, saga_id,
-                      created_at, attempts
+               SELECT s.key_shard AS "key_shard!"
+               FROM (SELECT key_shard, min(seq) AS oldest FROM candidates GROUP BY key_shard ORDER BY oldest) AS s
+               WHERE pg_try_advisory_xact_lock(7368, s.key_shard)
+               LIMIT CASE WHEN (SELECT count(*) FROM candidates) >= $1 THEN $2::bigint ELSE $3::bigint END"#,
+            limit,
+            SHARDS_PER_CLAIM,
+            OUTBOX_KEY_SHARDS,
+        )
+        .fetch_all(self.connection())
+        .await
+        .map_err(map_sqlx_error)?;
+        if held.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query!(
+            r#"SELECT id, topic, aggregatetype, aggregateid, type AS "event_type", payload::text AS "payload!",
+                      headers, saga_id, created_at, attempts
                FROM outbox_message o
-               WHERE quarantined_at IS NULL AND key_shard IN (SELECT key_shard FROM held)
+               WHERE quarantined_at IS NULL AND key_shard = ANY($2)
                  AND NOT EXISTS (SELECT 1 FROM outbox_message q WHERE q.aggregateid = o.aggregateid
                                  AND q.quarantined_at IS NOT NULL)
                ORDER BY seq
-               LIMIT $1
-               FOR UPDATE"#,
+               LIMIT $1"#,
             limit,
-            SHARDS_PER_CLAIM,
+            &held,
         )
         .fetch_all(self.connection())
         .await

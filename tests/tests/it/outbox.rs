@@ -574,3 +574,106 @@ async fn a_published_row_is_deleted_by_its_round_without_a_new_row_version() -> 
 async fn relay_published(db: &TestDb) -> anyhow::Result<i64> {
     Ok(sqlx::query_scalar("SELECT count(*) FROM outbox_message").fetch_one(db.pool()).await?)
 }
+
+/// Issue 12: one claim must take every row waiting in steady state, so rounds can be fewer and larger. A
+/// claim locked at most 16 of the 64 key shards whatever it found, so when the rows waiting since the last
+/// claim spread over more than 16 shards (about 20 rows of distinct keys), the rest waited for a follow-up
+/// claim one interval later: longer claim intervals pushed p99 commit-to-publish over 100 ms (BENCHMARKS.md).
+/// Only a claim that finds a backlog (a full batch) leaves shards to the other workers.
+#[tokio::test]
+async fn one_claim_takes_every_waiting_row_when_there_is_no_backlog() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    backlog(&db, "t", 60).await?; // 60 distinct keys: about 39 of the 64 shards
+    let shards: i64 =
+        sqlx::query_scalar("SELECT count(DISTINCT key_shard) FROM outbox_message").fetch_one(db.pool()).await?;
+    assert!(shards > 16, "the rows must span more shards than a backlog claim takes ({shards})");
+    let mut uow = db.store.begin_pg().await?;
+    let rows = idem_ports::OutboxRepository::claim_unpublished(&mut uow, 2000).await?;
+    assert_eq!(rows.len(), 60, "one claim took {} of 60 waiting rows over {shards} shards", rows.len());
+    Ok(())
+}
+
+/// Issue 12: a claim over a backlog takes a quarter of the shards; it must take the shard of the oldest
+/// row, or that row can wait behind younger ones round after round. The shards were picked in hash order
+/// (`DISTINCT`), not by age.
+#[tokio::test]
+async fn a_backlog_claim_always_takes_the_oldest_row() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    for first in 0..8 {
+        sqlx::query("DELETE FROM outbox_message").execute(db.pool()).await?;
+        let oldest = Uuid::now_v7();
+        sqlx::query(
+            "INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, headers, created_at)
+             VALUES ($1, 't', 'order', $2, 'Test', '{}', '{}', now())",
+        )
+        .bind(oldest)
+        .bind(format!("oldest-{first}"))
+        .execute(db.pool())
+        .await?;
+        backlog(&db, "t", 3000).await?;
+        let mut uow = db.store.begin_pg().await?;
+        let rows = idem_ports::OutboxRepository::claim_unpublished(&mut uow, 2000).await?;
+        assert!(
+            rows.iter().any(|r| r.id == oldest),
+            "run {first}: the claim of {} rows left the oldest row",
+            rows.len()
+        );
+        assert!(rows.len() >= 500, "run {first}: a backlog claim took only {} rows", rows.len());
+        idem_ports::UnitOfWork::rollback(Box::new(uow)).await?;
+    }
+    Ok(())
+}
+
+/// Per-key order around a quarantine: a claim whose statement began before another round quarantined the
+/// first row of a key, and took that key's shard lock right after the round committed, read the key's later
+/// row as claimable (its snapshot predates the quarantine) while `FOR UPDATE` dropped the changed first
+/// row: the later row was published ahead of the quarantined one. Found when claims took every waiting
+/// shard (`a_poison_row_is_quarantined_and_only_its_key_waits` then failed every run). A claim now reads
+/// its rows in a statement that starts after it holds the shard locks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_racing_a_quarantine_never_takes_the_rows_behind_it() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let mut ids = Vec::new();
+    for kind in ["Poison", "After"] {
+        let id = Uuid::now_v7();
+        sqlx::query(
+            "INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, headers, created_at)
+             VALUES ($1, 't', 'order', 'poison-key', $2, '{}', '{}', now())",
+        )
+        .bind(id)
+        .bind(kind)
+        .execute(db.pool())
+        .await?;
+        ids.push(id);
+    }
+    backlog(&db, "t", 300_000).await?; // a slow claim statement: the window the quarantine commits in
+    sqlx::query("ANALYZE outbox_message").execute(db.pool()).await?;
+    let (poison, after) = (ids[0], ids[1]);
+    // the round that quarantines the poison row holds its key's shard
+    let mut round = db.pool().begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(7368, key_shard) FROM outbox_message WHERE id = $1")
+        .bind(poison)
+        .execute(&mut *round)
+        .await?;
+    sqlx::query("UPDATE outbox_message SET quarantined_at = now(), attempts = 3 WHERE id = $1")
+        .bind(poison)
+        .execute(&mut *round)
+        .await?;
+    let store = db.store.clone();
+    let claim = tokio::spawn(async move {
+        let mut uow = store.begin_pg().await?;
+        sqlx::query("SET LOCAL enable_indexscan = off").execute(uow.connection()).await?;
+        sqlx::query("SET LOCAL enable_bitmapscan = off").execute(uow.connection()).await?;
+        let started = std::time::Instant::now();
+        let rows = idem_ports::OutboxRepository::claim_unpublished(&mut uow, 2000).await?;
+        anyhow::Ok((rows, started.elapsed()))
+    });
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    round.commit().await?;
+    let (rows, took) = claim.await??;
+    assert!(took > Duration::from_millis(60), "the claim took {took:?}: too fast to race the quarantine");
+    let claimed: BTreeSet<Uuid> = rows.iter().map(|r| r.id).collect();
+    assert!(!claimed.contains(&poison), "a quarantined row was claimed");
+    assert!(!claimed.contains(&after), "the row behind a quarantined row of its key was claimed");
+    Ok(())
+}
