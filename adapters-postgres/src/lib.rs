@@ -25,6 +25,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool};
 
 pub use error::{is_transient_sqlstate, map_sqlx_error};
+pub use repos::outbox::{OUTBOX_KEY_SHARDS, SHARDS_PER_CLAIM};
 pub use wakeup::{NOTIFY_DEBOUNCE, OUTBOX_CHANNEL, OutboxSignal, PgOutboxWakeup};
 
 /// The migrations in `migrations/`, embedded in the binary.

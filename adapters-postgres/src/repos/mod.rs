@@ -1,7 +1,7 @@
 //! The repository ports, implemented on one transaction (`PgUnitOfWork`), one module per port.
 
 mod idempotency;
-mod outbox;
+pub(crate) mod outbox;
 mod payments;
 mod processed_events;
 mod saga;

@@ -84,7 +84,8 @@ impl OutboxRepository for PgUnitOfWork {
         // waiting since the last one (rows left for a follow-up claim waited a whole claim interval more).
         // Shards are tried in the order of their oldest candidate, so the oldest row is always claimed unless
         // another round holds its shard. The lock function runs only over the distinct shards of a
-        // materialized set, so a claim holds at most OUTBOX_KEY_SHARDS advisory locks whatever plan the
+        // materialized set (not materialized, the planner pushed it below the sort, into the aggregate: every
+        // shard found was locked), so a claim holds at most OUTBOX_KEY_SHARDS advisory locks whatever plan the
         // planner picks, and so do all relays together. A key belongs to one shard, so no two relays ever
         // publish one key at once, and a key's rows are claimed in `seq` order. Rows of a shard change only
         // under its lock (a round deletes, counts failures, quarantines), so rows read after the lock is
@@ -95,8 +96,13 @@ impl OutboxRepository for PgUnitOfWork {
         // them; a bitmap scan revisits every dead entry on every claim until VACUUM (measured: 100,000 dead
         // entries made each claim ~8 ms and the relay's p99 commit-to-publish 130 ms). Discouraging the sort
         // (not forbidding bitmap scans) leaves the planner every plan when index scans are unavailable.
-        // Transaction-scoped, like everything this unit sets.
-        sqlx::query("SET LOCAL enable_sort = off").execute(self.connection()).await.map_err(map_sqlx_error)?;
+        // A discouraged sort still runs where nothing else can (ordering the ≤ 64 shards), but its penalty
+        // cost pushes the plan past `jit_above_cost`: JIT compilation made each claim ~300 ms, so JIT is off
+        // for the claim. Transaction-scoped, like everything this unit sets; one round trip for both.
+        sqlx::query("SELECT set_config('enable_sort', 'off', true), set_config('jit', 'off', true)")
+            .execute(self.connection())
+            .await
+            .map_err(map_sqlx_error)?;
         // Two statements: the rows are read with a snapshot taken after the shard locks are held. In one
         // statement the snapshot predates the locks, so a round that quarantined a key's first row and
         // committed just before the lock was taken left that key's later rows looking claimable, while
@@ -109,10 +115,11 @@ impl OutboxRepository for PgUnitOfWork {
                      AND NOT EXISTS (SELECT 1 FROM outbox_message q WHERE q.aggregateid = o.aggregateid
                                      AND q.quarantined_at IS NOT NULL)
                    ORDER BY seq LIMIT $1
+               ), shards AS MATERIALIZED (
+                   SELECT key_shard FROM candidates GROUP BY key_shard ORDER BY min(seq)
                )
-               SELECT s.key_shard AS "key_shard!"
-               FROM (SELECT key_shard, min(seq) AS oldest FROM candidates GROUP BY key_shard ORDER BY oldest) AS s
-               WHERE pg_try_advisory_xact_lock(7368, s.key_shard)
+               SELECT key_shard AS "key_shard!" FROM shards
+               WHERE pg_try_advisory_xact_lock(7368, key_shard)
                LIMIT CASE WHEN (SELECT count(*) FROM candidates) >= $1 THEN $2::bigint ELSE $3::bigint END"#,
             limit,
             SHARDS_PER_CLAIM,

@@ -401,7 +401,8 @@ async fn a_claim_takes_a_bounded_number_of_locks_whatever_the_plan() -> anyhow::
             sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()")
                 .fetch_one(uow.connection())
                 .await?;
-        assert!(locks <= 64, "{forced}: a claim holds {locks} advisory locks");
+        // a claim over a backlog leaves three quarters of the shards to the other workers' rounds
+        assert!(locks <= idem_postgres::SHARDS_PER_CLAIM, "{forced}: a backlog claim holds {locks} advisory locks");
     }
     Ok(())
 }
