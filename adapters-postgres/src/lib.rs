@@ -206,6 +206,18 @@ impl PgStore {
         self.pool.close().await;
     }
 
+    /// Vacuums the outbox table, unless another session is vacuuming it (`SKIP_LOCKED`).
+    ///
+    /// The relay deletes every row it publishes, and new rows go to the right end of the `seq` index, so
+    /// the entries of deleted rows stay on the index's left pages until VACUUM: each claim scans from the
+    /// left and reads every such page. Autovacuum visits a database at most once a minute
+    /// (`autovacuum_naptime`), by which time 1,000 charges/s have left ~60,000 dead entries, and the claims
+    /// read hundreds of pages each (377 after 60,000 rows): most of a claim's cost (issue 12, BENCHMARKS.md). Vacuuming a table that
+    /// holds only the rows in flight every few seconds costs a few milliseconds.
+    pub async fn vacuum_outbox(&self) -> Result<(), StoreError> {
+        sqlx::query("VACUUM (SKIP_LOCKED) outbox_message").execute(&self.pool).await.map(|_| ()).map_err(map_sqlx_error)
+    }
+
     /// Whether the database answers.
     pub async fn ping(&self) -> Result<(), StoreError> {
         sqlx::query("SELECT 1").execute(&self.pool).await.map(|_| ()).map_err(map_sqlx_error)

@@ -36,6 +36,14 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{e} (write durations like 48h, 30m, 500ms)"))
 }
 
+fn parse_vacuum_interval(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < Duration::from_millis(100) {
+        return Err("the outbox vacuum interval must be at least 100ms".into());
+    }
+    Ok(d)
+}
+
 fn parse_ttl(s: &str) -> Result<TtlPolicy, String> {
     TtlPolicy::new(parse_duration(s)?).map_err(|e| e.to_string())
 }
@@ -125,6 +133,10 @@ pub struct RelayArgs {
     /// How long the relay's producer waits to fill a batch (`linger.ms`).
     #[arg(long, env = "OUTBOX_LINGER", default_value = "1ms", value_parser = parse_duration)]
     pub outbox_linger: Duration,
+    /// How often the outbox table is vacuumed: the relay deletes what it publishes, and the claims scan
+    /// the dead index entries until VACUUM removes them (autovacuum comes at most once a minute).
+    #[arg(long, env = "OUTBOX_VACUUM_INTERVAL", default_value = "5s", value_parser = parse_vacuum_interval)]
+    pub outbox_vacuum_interval: Duration,
     /// Outbox rounds in flight at once (each claims distinct keys, so per-key order holds).
     #[arg(long, env = "OUTBOX_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub outbox_concurrency: u32,

@@ -40,14 +40,30 @@ async fn spawn_relay(
     group: &mut TaskGroup,
     store: &PgStore,
     kafka: &KafkaArgs,
-    relay: &RelayArgs,
+    relay_args: &RelayArgs,
     registry: &mut Registry,
 ) -> anyhow::Result<()> {
     let wakeup = PgOutboxWakeup::connect(store).await.context("LISTEN for outbox notifications")?;
-    let relay = Relay::new(relay_settings(kafka, relay), Arc::new(store.clone()), Arc::new(SystemClock));
+    let relay = Relay::new(relay_settings(kafka, relay_args), Arc::new(store.clone()), Arc::new(SystemClock));
     relay.stats().register(registry);
     let token = group.token();
     group.spawn("outbox relay", async move { Ok(relay.run(Box::new(wakeup), token).await?) });
+    let (store, every, token) = (store.clone(), relay_args.outbox_vacuum_interval, group.token());
+    group.spawn("outbox vacuum", async move {
+        // keeps the claims' index scans short (see `PgStore::vacuum_outbox`); a failure is logged and
+        // retried at the next tick, never ends the service
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = token.cancelled() => return Ok(()),
+                _ = tick.tick() => {}
+            }
+            if let Err(e) = store.vacuum_outbox().await {
+                tracing::warn!(error = %e, "outbox vacuum failed; retrying at the next interval");
+            }
+        }
+    });
     Ok(())
 }
 
