@@ -36,7 +36,7 @@
 //! wakes an in-process relay after its commit, and asks a background task to send one debounced
 //! `NOTIFY outbox_message` (at most every 25 ms, payload = instance id) for relays of other instances; relays
 //! also poll (`adapters-postgres/src/wakeup.rs`). A wake-up starts one claim by one idle worker, at most one
-//! per `OUTBOX_MIN_CLAIM_INTERVAL` (10 ms): under a stream of commits one claim serves many of them, and the
+//! per `OUTBOX_MIN_CLAIM_INTERVAL` (25 ms): under a stream of commits one claim serves many of them, and the
 //! relay stays a small share of the database's work (see [`Relay::run`]).
 //!
 //! **Poison rows.** A row the broker refuses for good (too large, not authorized, invalid) is quarantined after
@@ -108,14 +108,14 @@ pub struct RelaySettings {
 }
 
 impl RelaySettings {
-    /// Defaults: rounds of 2,000 rows, 4 in flight, at most one wake-up claim per 10 ms, poll every second,
+    /// Defaults: rounds of 2,000 rows, 4 in flight, at most one wake-up claim per 25 ms, poll every second,
     /// quarantine after 3 refusals.
     pub fn new(brokers: &str) -> Self {
         Self {
             producer: ProducerSettings::new(brokers),
             batch_size: 2000,
             poll_interval: Duration::from_secs(1),
-            min_claim_interval: Duration::from_millis(10),
+            min_claim_interval: Duration::from_millis(25),
             concurrency: 4,
             quarantine_after: 3,
         }
