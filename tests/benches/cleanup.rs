@@ -84,14 +84,16 @@ async fn main() -> anyhow::Result<()> {
 
     // batched delete on processed_event
     let expired = Utc::now() - chrono::Duration::hours(1);
+    let mut fill = untimed(&store).await?;
     sqlx::query(
         "INSERT INTO processed_event (consumer_name, event_id, topic, created_at, expires_at)
          SELECT 'bench', gen_random_uuid(), 'orders', $1, $1 FROM generate_series(1, $2)",
     )
     .bind(expired)
     .bind(rows)
-    .execute(store.pool())
+    .execute(&mut *fill)
     .await?;
+    fill.commit().await?;
     sqlx::query("VACUUM ANALYZE processed_event").execute(store.pool()).await?;
     let stop = tokio_util::sync::CancellationToken::new();
     let samples = steady_load(svc.base.clone(), rate, stop.clone());
@@ -124,6 +126,7 @@ async fn main() -> anyhow::Result<()> {
     partitions::ensure(&partitioned, old_day, 0, 0).await?;
     let old_ms = old_day.and_hms_opt(12, 0, 0).unwrap().and_utc().timestamp_millis();
     // v7 ids of that day: 48-bit ms timestamp, version 7, random rest
+    let mut fill = untimed(&store).await?;
     sqlx::query(
         "INSERT INTO processed_event_partitioned (consumer_name, event_id, event_time, topic, created_at, expires_at)
          SELECT 'bench', id, uuid_v7_time(id), 'orders', now(), now() - interval '1 hour'
@@ -133,8 +136,9 @@ async fn main() -> anyhow::Result<()> {
     )
     .bind(old_ms)
     .bind(rows)
-    .execute(store.pool())
+    .execute(&mut *fill)
     .await?;
+    fill.commit().await?;
     let t4 = Instant::now();
     tokio::time::sleep(window).await;
     let t5 = Instant::now();
@@ -166,4 +170,12 @@ async fn main() -> anyhow::Result<()> {
     println!("charges measured: {} / {} / {} and {} / {} / {}", b.0, d.0, a.0, b2.0, d2.0, a2.0);
     drop(svc);
     Ok(())
+}
+
+/// A transaction without the pool's statement timeout (30 s): filling a million rows took longer than that
+/// on a slow afternoon of this VM.
+async fn untimed(store: &PgStore) -> anyhow::Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+    let mut tx = store.pool().begin().await?;
+    sqlx::query("SET LOCAL statement_timeout = 0").execute(&mut *tx).await?;
+    Ok(tx)
 }
