@@ -5,8 +5,9 @@
 //! report of every one, then delete the delivered rows (failures stay and are counted) and commit. A crash between
 //! publishing and the commit re-publishes the same rows with the same `event_id`; receivers dedup them.
 //!
-//! Claims lock key shards, not keys (see `claim_unpublished` in the PostgreSQL adapter): a claim holds at
-//! most 16 advisory locks and all relays together at most 64, whatever the backlog or the query plan.
+//! Claims lock key shards, not keys (see `claim_unpublished` in the PostgreSQL adapter): a claim over a
+//! backlog holds at most 16 advisory locks, any claim at most 64, and so do all relays together, whatever the
+//! query plan.
 //!
 //! An idle relay is woken without anything in the business transaction: in process right after a commit
 //! that wrote outbox rows, across instances by one debounced NOTIFY sent outside business transactions,
@@ -24,11 +25,13 @@
 //! dedup them.
 //!
 //! **Claims lock key shards.** Each row has `key_shard` = hash(key) mod 64 (a stored generated column). A
-//! claim reads the shards of the oldest unpublished rows (no locks), takes `pg_try_advisory_xact_lock` on at
-//! most 16 of them inside a materialized CTE, and claims the oldest rows of the shards it holds `FOR UPDATE`.
-//! The lock function runs only over ≤ 64 distinct shards, whatever plan the planner picks, so a claim holds at
-//! most 16 advisory locks and all relays together at most 64 (a per-row lock in the WHERE clause ran on every
-//! row under a bitmap plan and exhausted the lock table: `out of shared memory`).
+//! claim reads the shards of the oldest unpublished rows (no locks), takes `pg_try_advisory_xact_lock` on
+//! them in the order of their oldest row over a materialized list — all it found, or at most 16 when it
+//! finds a full batch (a backlog, shared by the other workers) — then, in a second statement whose snapshot
+//! follows the locks, reads the oldest rows of the shards it holds. One claim thus takes every row waiting
+//! since the last one, and the oldest row always goes first. The lock function runs only over ≤ 64 distinct
+//! shards, whatever plan the planner picks (a per-row lock in the WHERE clause ran on every row under a
+//! bitmap plan and exhausted the lock table: `out of shared memory`).
 //!
 //! **Waking the relay without serializing commits.** A NOTIFY inside a transaction takes a database-wide lock
 //! from pre-commit until the commit record is flushed, so on a commit-bound disk every business transaction
