@@ -212,8 +212,9 @@ impl PgStore {
     /// the entries of deleted rows stay on the index's left pages until VACUUM: each claim scans from the
     /// left and reads every such page. Autovacuum visits a database at most once a minute
     /// (`autovacuum_naptime`), by which time 1,000 charges/s have left ~60,000 dead entries, and the claims
-    /// read hundreds of pages each (377 after 60,000 rows): most of a claim's cost (issue 12, BENCHMARKS.md). Vacuuming a table that
-    /// holds only the rows in flight every few seconds costs a few milliseconds. `INDEX_CLEANUP ON`: the
+    /// read hundreds of pages each (377 after 60,000 rows): most of a claim's cost (issue 12,
+    /// BENCHMARKS.md). Vacuuming a table that holds only the rows in flight every few seconds costs a few
+    /// milliseconds. `INDEX_CLEANUP ON`: the
     /// dead index entries are the point (VACUUM may otherwise skip the indexes when few heap pages have
     /// dead rows); the table never truncates (a migration sets `vacuum_truncate = false`: truncation takes
     /// an ACCESS EXCLUSIVE lock that would block the charges' inserts).
