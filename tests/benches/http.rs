@@ -94,6 +94,11 @@ async fn costed_charges(
 }
 
 /// One phase: `concurrency` workers sending `make()` requests until `duration` elapses.
+///
+/// Each worker owns one keep-alive HTTP/1.1 connection (hyper's connection API, driven in the worker's own
+/// task: no pool, no connection task) and the whole generator runs on one thread. The generator shares the
+/// two cores with what it measures, so every microsecond it spends is taken from the service; it prints
+/// its own CPU per charge.
 async fn phase<F>(
     name: &str,
     base: &str,
@@ -102,57 +107,85 @@ async fn phase<F>(
     make: F,
 ) -> (Summary, Vec<(String, String)>)
 where
-    F: Fn(usize, usize) -> (String, String) + Send + Sync + 'static,
+    F: Fn(usize, usize) -> (String, String) + 'static,
 {
-    let client = reqwest::Client::builder().pool_max_idle_per_host(concurrency).build().unwrap();
-    let make = Arc::new(make);
+    let make = std::rc::Rc::new(make);
     let start = Instant::now();
     let deadline = start + duration;
+    let addr = base.trim_start_matches("http://").to_owned();
+    let local = tokio::task::LocalSet::new();
     let mut tasks = Vec::new();
     for w in 0..concurrency {
-        let (client, make, url) = (client.clone(), make.clone(), format!("{base}/payments"));
-        tasks.push(tokio::spawn(async move {
-            let (mut lat, mut errors, mut sent) = (Vec::new(), 0usize, Vec::new());
-            let mut i = 0;
-            while Instant::now() < deadline {
-                let (key, body) = make(w, i);
-                i += 1;
-                let t = Instant::now();
-                let resp = client
-                    .post(&url)
-                    .bearer_auth(API_KEY)
-                    .header("idempotency-key", &key)
-                    .header("content-type", "application/json")
-                    .body(body.clone())
-                    .send()
-                    .await;
-                let ok = match resp {
-                    Ok(r) => r.status().as_u16() == 201 && r.bytes().await.is_ok(),
-                    Err(_) => false,
-                };
-                if ok {
-                    lat.push(t.elapsed());
-                    if sent.len() < 2000 {
-                        sent.push((key, body));
-                    }
-                } else {
-                    errors += 1;
-                }
-            }
-            (lat, errors, sent)
-        }));
+        let (make, addr) = (make.clone(), addr.clone());
+        tasks.push(local.spawn_local(async move { worker(&addr, w, deadline, &*make).await }));
     }
     let (mut all, mut errors, mut sent) = (Vec::new(), 0, Vec::new());
-    for t in tasks {
-        let (l, e, s) = t.await.unwrap();
-        all.extend(l);
-        errors += e;
-        sent.extend(s);
-    }
+    local
+        .run_until(async {
+            for t in tasks {
+                let (l, e, s) = t.await.unwrap();
+                all.extend(l);
+                errors += e;
+                sent.extend(s);
+            }
+        })
+        .await;
     (Summary::from_latencies(name, all, errors, start.elapsed()), sent)
 }
 
-#[tokio::main]
+/// One client of [`phase`]: latencies of successful charges, failures, and up to 2,000 requests it sent.
+async fn worker(
+    addr: &str,
+    w: usize,
+    deadline: Instant,
+    make: &dyn Fn(usize, usize) -> (String, String),
+) -> (Vec<Duration>, usize, Vec<(String, String)>) {
+    use http_body_util::{BodyExt, Full};
+    let (mut lat, mut errors, mut sent) = (Vec::new(), 0usize, Vec::new());
+    let stream = tokio::net::TcpStream::connect(addr).await.expect("the service listens");
+    stream.set_nodelay(true).unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake::<_, Full<bytes::Bytes>>(
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .expect("HTTP/1.1 handshake");
+    let requests = async {
+        let auth = format!("Bearer {API_KEY}");
+        let mut i = 0;
+        while Instant::now() < deadline {
+            let (key, body) = make(w, i);
+            i += 1;
+            let t = Instant::now();
+            let req = http::Request::post("/payments")
+                .header(http::header::HOST, addr)
+                .header(http::header::AUTHORIZATION, &auth)
+                .header("idempotency-key", &key)
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(Full::new(bytes::Bytes::from(body.clone())))
+                .unwrap();
+            let ok = match sender.send_request(req).await {
+                Ok(r) => r.status().as_u16() == 201 && r.into_body().collect().await.is_ok(),
+                Err(_) => false,
+            };
+            if ok {
+                lat.push(t.elapsed());
+                if sent.len() < 2000 {
+                    sent.push((key, body));
+                }
+            } else {
+                errors += 1;
+                if sender.ready().await.is_err() {
+                    break; // the connection is gone; the rest of the phase counts as nothing sent
+                }
+            }
+        }
+        drop(sender);
+    };
+    let _ = tokio::join!(conn, requests);
+    (lat, errors, sent)
+}
+
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     let Some((admin, _)) = common::bench_env() else { return Ok(()) };
     let concurrency: usize = env_or("BENCH_CONCURRENCY", 8);
