@@ -128,7 +128,7 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub outbox_poll_interval: Duration,
     /// Shortest time between two relay claims started by commits: one claim serves every commit in between.
-    #[arg(long, env = "OUTBOX_MIN_CLAIM_INTERVAL", default_value = "25ms", value_parser = parse_duration)]
+    #[arg(long, env = "OUTBOX_MIN_CLAIM_INTERVAL", default_value = "50ms", value_parser = parse_duration)]
     pub outbox_min_claim_interval: Duration,
     /// How long the relay's producer waits to fill a batch (`linger.ms`).
     #[arg(long, env = "OUTBOX_LINGER", default_value = "1ms", value_parser = parse_duration)]

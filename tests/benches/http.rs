@@ -5,7 +5,8 @@
 //! same concurrency.
 //!
 //! Run with `scripts/bench.sh http` (builds the release binary and starts the services). Settings:
-//! BENCH_CONCURRENCY (8), BENCH_SECONDS (10), IDEM_BIN (target/release/idem), DATABASE_URL.
+//! BENCH_CONCURRENCY (8), BENCH_SECONDS (10), BENCH_PHASES (on,replay,off,idle), IDEM_BIN (target/release/idem),
+//! DATABASE_URL.
 
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::disallowed_methods)]
 
@@ -144,11 +145,10 @@ async fn worker(
     let (mut lat, mut errors, mut sent) = (Vec::new(), 0usize, Vec::new());
     let stream = tokio::net::TcpStream::connect(addr).await.expect("the service listens");
     stream.set_nodelay(true).unwrap();
-    let (mut sender, conn) = hyper::client::conn::http1::handshake::<_, Full<bytes::Bytes>>(
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .expect("HTTP/1.1 handshake");
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake::<_, Full<bytes::Bytes>>(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .expect("HTTP/1.1 handshake");
     let requests = async {
         let auth = format!("Bearer {API_KEY}");
         let mut i = 0;
@@ -218,58 +218,69 @@ async fn main() -> anyhow::Result<()> {
         sqlx::query("DELETE FROM outbox_message").execute(&mut conn).await?;
         sqlx::query("VACUUM ANALYZE outbox_message").execute(&mut conn).await?;
     }
+    // BENCH_PHASES (on,replay,off,idle): the phases to run, for quick comparisons of one setting.
+    let phases = std::env::var("BENCH_PHASES").unwrap_or_else(|_| "on,replay,off,idle".into());
+    let wanted = |p: &str| phases.split(',').any(|x| x.trim() == p);
     let mut rows = Vec::new();
-    let (on, replays) = {
+    let (mut on, mut off, mut replays, mut quiet) = (None, None, None, None);
+    if wanted("on") {
         let svc = start_service(&bin, &db, 18080, "on").await?;
-        let (on, sent) = costed_charges(&svc, &db, "charge, idempotency layer on", concurrency, duration).await?;
-        let sent = Arc::new(sent);
-        let pick = sent.clone();
-        let (replay, _) = phase("replay of a stored key", &svc.base, concurrency, duration, move |w, i| {
-            pick[(w * 7919 + i) % pick.len()].clone()
-        })
-        .await;
-        (on, replay)
-    };
-    let off = {
+        let (charges, sent) = costed_charges(&svc, &db, "charge, idempotency layer on", concurrency, duration).await?;
+        if wanted("replay") {
+            let pick = Arc::new(sent);
+            let (replay, _) = phase("replay of a stored key", &svc.base, concurrency, duration, move |w, i| {
+                pick[(w * 7919 + i) % pick.len()].clone()
+            })
+            .await;
+            replays = Some(replay);
+        }
+        on = Some(charges);
+    }
+    if wanted("off") {
         let svc = start_service(&bin, &db, 18081, "off").await?;
         warm_up(&svc, concurrency).await;
-        phase("charge, idempotency layer off", &svc.base, concurrency, duration, |_, _| {
+        let charges = phase("charge, idempotency layer off", &svc.base, concurrency, duration, |_, _| {
             (Uuid::now_v7().to_string(), charge_body())
         })
         .await
-        .0
-    };
+        .0;
+        off = Some(charges);
+    }
     // Diagnostic: the same charges while the relay does not publish (its claims are held off for the
     // phase), to show what publishing every charge costs on cores shared with PostgreSQL and the broker.
-    let quiet = {
+    if wanted("idle") {
         let idle = [("OUTBOX_MIN_CLAIM_INTERVAL", "1h"), ("OUTBOX_POLL_INTERVAL", "1h")];
         let svc = common::start_service_with(&bin, &db, 18082, "on", &idle).await?;
-        costed_charges(&svc, &db, "charge, layer on, relay idle", concurrency, duration).await?.0
-    };
+        quiet = Some(costed_charges(&svc, &db, "charge, layer on, relay idle", concurrency, duration).await?.0);
+    }
     let tps_last = pgbench(&db, script, concurrency, seconds)?;
     let tps = (tps_first + tps_last) / 2.0;
-    rows.push(on.clone());
-    rows.push(off.clone());
-    rows.push(replays.clone());
-    rows.push(quiet.clone());
+    rows.extend([&on, &off, &replays, &quiet].into_iter().flatten().cloned());
     print_table(&rows);
     println!(
         "{:<44} {:>10} {:>8} {:>12.0}  (first {tps_first:.0}, last {tps_last:.0})",
         "ceiling: same SQL transaction via pgbench", "-", "-", tps
     );
     println!();
-    let cost = 1.0 - on.rate() / off.rate();
-    println!(
-        "layer on / layer off          = {:.2}  (layer costs {:.0}% of throughput; target <= 20%)",
-        on.rate() / off.rate(),
-        cost * 100.0
-    );
-    println!("layer on / pgbench ceiling    = {:.2}  (target >= 0.80)", on.rate() / tps);
-    println!("relay idle / pgbench ceiling  = {:.2}  (diagnostic: the same, not publishing)", quiet.rate() / tps);
-    println!(
-        "replay speed-up (p50, rate)   = {:.1}x, {:.1}x  (target >= 2x)",
-        on.p50.as_secs_f64() / replays.p50.as_secs_f64().max(1e-9),
-        replays.rate() / on.rate()
-    );
+    if let (Some(on), Some(off)) = (&on, &off) {
+        println!(
+            "layer on / layer off          = {:.2}  (layer costs {:.0}% of throughput; target <= 20%)",
+            on.rate() / off.rate(),
+            (1.0 - on.rate() / off.rate()) * 100.0
+        );
+    }
+    if let Some(on) = &on {
+        println!("layer on / pgbench ceiling    = {:.2}  (target >= 0.80)", on.rate() / tps);
+    }
+    if let Some(quiet) = &quiet {
+        println!("relay idle / pgbench ceiling  = {:.2}  (diagnostic: the same, not publishing)", quiet.rate() / tps);
+    }
+    if let (Some(on), Some(replays)) = (&on, &replays) {
+        println!(
+            "replay speed-up (p50, rate)   = {:.1}x, {:.1}x  (target >= 2x)",
+            on.p50.as_secs_f64() / replays.p50.as_secs_f64().max(1e-9),
+            replays.rate() / on.rate()
+        );
+    }
     Ok(())
 }

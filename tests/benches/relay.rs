@@ -4,7 +4,7 @@
 //!
 //! Run with `scripts/bench.sh relay`. Settings: BENCH_ROWS (100000), BENCH_RATE (1000 messages/s offered
 //! for the latency phase), BENCH_SECONDS (10), BENCH_RELAY_BATCH (2000), BENCH_CLAIM_INTERVAL_US (the relay's
-//! default, 10000), BENCH_LINGER_US (the producer's `linger.ms`, default 1000), DATABASE_URL, KAFKA_BROKERS.
+//! default, 25000), BENCH_LINGER_US (the producer's `linger.ms`, default 1000), DATABASE_URL, KAFKA_BROKERS.
 
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::disallowed_methods)]
 
