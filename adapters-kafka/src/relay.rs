@@ -254,7 +254,10 @@ impl Relay {
         let follow_up = Notify::new();
         tracing::info!(batch = self.settings.batch_size, workers = self.settings.concurrency, "outbox relay started");
         let listen = async {
-            let mut last_claim: Option<tokio::time::Instant> = None;
+            // The first claim is at once: rows committed before this relay listened (a restart after an
+            // outage, a deploy) wake nobody, and waited a whole poll interval.
+            claim.notify_one();
+            let mut last_claim = Some(tokio::time::Instant::now());
             while !shutdown.is_cancelled() {
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
