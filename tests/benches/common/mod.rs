@@ -159,16 +159,7 @@ pub async fn start_service_with(
     env: &[(&str, &str)],
 ) -> anyhow::Result<Service> {
     let mut cmd = std::process::Command::new(bin);
-    // BENCH_SERVICE_ENV="K=V K2=V2": extra environment for the service only (for example
-    // TOKIO_WORKER_THREADS=1), so a setting can be measured without touching the load generator.
-    for pair in std::env::var("BENCH_SERVICE_ENV").unwrap_or_default().split_whitespace() {
-        if let Some((k, v)) = pair.split_once('=') {
-            cmd.env(k, v);
-        }
-    }
-    cmd.envs(env.iter().copied());
-    let child = cmd
-        .arg("serve")
+    cmd.arg("serve")
         .env("DATABASE_URL", db_url)
         .env("HTTP_ADDR", format!("127.0.0.1:{port}"))
         .env("ADMIN_ADDR", format!("127.0.0.1:{}", port + 1000))
@@ -179,8 +170,16 @@ pub async fn start_service_with(
         .env("DATABASE_MAX_CONNECTIONS", (env_or("BENCH_CONCURRENCY", 8usize) + 8).max(32).to_string())
         // One merchant drives all the load: its concurrency limit must not be what is measured.
         .env("MERCHANT_CONCURRENCY", env_or("BENCH_CONCURRENCY", 8usize).max(16).to_string())
-        .env("RUST_LOG", "warn")
-        .spawn()?;
+        .env("RUST_LOG", "warn");
+    // BENCH_SERVICE_ENV="K=V K2=V2": extra environment for the service only (for example
+    // TOKIO_WORKER_THREADS=1 or DATABASE_MAX_CONNECTIONS=32), so a setting can be measured without
+    // touching the load generator; it overrides the settings above, and `env` overrides it.
+    for pair in std::env::var("BENCH_SERVICE_ENV").unwrap_or_default().split_whitespace() {
+        if let Some((k, v)) = pair.split_once('=') {
+            cmd.env(k, v);
+        }
+    }
+    let child = cmd.envs(env.iter().copied()).spawn()?;
     let base = format!("http://127.0.0.1:{port}");
     let client = reqwest::Client::new();
     for _ in 0..200 {
