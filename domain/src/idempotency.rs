@@ -278,6 +278,27 @@ mod tests {
         assert_eq!(a, b);
     }
 
+    /// Fingerprints are stored: a retry handled by a newer version must still match the record an older
+    /// version stored (a deploy inside the 24–72 h window). These values were computed by the first
+    /// canonical form (JSON tree → `String` → SHA-256) and pin its bytes.
+    #[test]
+    fn fingerprints_stay_the_same_across_versions() {
+        let charge = br#"{"order_id":"0193a3b0-0000-7000-8000-000000000001","customer_id":"0193a3b0-0000-7000-8000-000000000002",
+            "provider":"stripe","external_payment_id":"pi_\u00e9\"x","amount":"12.34","currency":"EUR",
+            "meta":{"z":[1,2.5,-3e2,true,null,{"b":"\n","a":""}],"a":1}}"#;
+        let bodies: [&[u8]; 3] = [charge, b"{}", b"not json \xff"];
+        let got: Vec<String> =
+            bodies.iter().map(|b| hex::encode(Fingerprint::of_request("POST", "/payments", b).0)).collect();
+        assert_eq!(
+            got,
+            [
+                "05c556f872a443e98e066b904898ae7cac2fa238a1253ba0d8fedcea3806d00d",
+                "4e521f86b618c66a16968331f713eec56ecd247c5c2ef71d3b3a66470050e71a",
+                "e59e5fccaca5d319d8d8eb136b4c1eadd97a13cfa26d5e094b04bd5246b814f2",
+            ]
+        );
+    }
+
     #[test]
     fn method_route_and_body_change_the_fingerprint() {
         let base = Fingerprint::of_request("POST", "/payments", br#"{"a":1}"#);
