@@ -123,9 +123,7 @@ impl Fingerprint {
         match serde_json::from_slice::<serde_json::Value>(body) {
             Ok(json) => {
                 hasher.update(b"json\0");
-                let mut canonical = String::with_capacity(body.len());
-                write_canonical(&json, &mut canonical);
-                hasher.update(canonical.as_bytes());
+                write_canonical(&json, &mut hasher);
             }
             Err(_) => {
                 hasher.update(b"raw\0");
@@ -152,37 +150,55 @@ impl fmt::Debug for Fingerprint {
     }
 }
 
-/// Writes JSON with object keys in byte order and no whitespace. Strings and numbers keep serde_json's
-/// own (escaped, shortest round-trip) form.
-fn write_canonical(value: &serde_json::Value, out: &mut String) {
+/// Feeds `value` to `hasher` as JSON with object keys in byte order and no whitespace. Strings and numbers
+/// keep serde_json's own (escaped, shortest round-trip) form. Written straight into the hash: building the
+/// canonical text first cost an allocation per key and per scalar (callgrind: the fingerprint was 11 % of
+/// the service's instructions per charge). The bytes are unchanged (`fingerprints_stay_the_same_across_versions`).
+fn write_canonical(value: &serde_json::Value, hasher: &mut Sha256) {
     use serde_json::Value;
     match value {
         Value::Object(map) => {
             let mut entries: Vec<_> = map.iter().collect();
             entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
-            out.push('{');
+            hasher.update(b"{");
             for (i, (k, v)) in entries.into_iter().enumerate() {
                 if i > 0 {
-                    out.push(',');
+                    hasher.update(b",");
                 }
-                out.push_str(&Value::String(k.clone()).to_string());
-                out.push(':');
-                write_canonical(v, out);
+                write_scalar(k, hasher);
+                hasher.update(b":");
+                write_canonical(v, hasher);
             }
-            out.push('}');
+            hasher.update(b"}");
         }
         Value::Array(items) => {
-            out.push('[');
+            hasher.update(b"[");
             for (i, v) in items.iter().enumerate() {
                 if i > 0 {
-                    out.push(',');
+                    hasher.update(b",");
                 }
-                write_canonical(v, out);
+                write_canonical(v, hasher);
             }
-            out.push(']');
+            hasher.update(b"]");
         }
-        scalar => out.push_str(&scalar.to_string()),
+        scalar => write_scalar(scalar, hasher),
     }
+}
+
+/// serde_json's compact form of a string or scalar, into the hash.
+fn write_scalar<T: serde::Serialize + ?Sized>(value: &T, hasher: &mut Sha256) {
+    struct Feed<'a>(&'a mut Sha256);
+    impl std::io::Write for Feed<'_> {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.update(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    // Serializing a `str` or a JSON scalar into a sink that never fails cannot fail.
+    let _ = serde_json::to_writer(Feed(hasher), value);
 }
 
 /// What to do with a request, given the record stored for its key.
