@@ -43,6 +43,15 @@ async fn start_relay(
     settings.batch_size = batch;
     settings.poll_interval = Duration::from_millis(200);
     settings.producer.delivery_timeout = Duration::from_secs(5);
+    start_relay_with(settings, tm, store).await
+}
+
+/// [`start_relay`] with the test's own settings.
+async fn start_relay_with(
+    settings: RelaySettings,
+    tm: Arc<dyn TransactionManager>,
+    store: &PgStore,
+) -> anyhow::Result<RunningRelay> {
     let relay = Relay::new(settings, tm, Arc::new(SystemClock));
     let stats = relay.stats();
     let wakeup = PgOutboxWakeup::connect(store).await?;
@@ -397,18 +406,11 @@ async fn a_relay_started_over_a_backlog_claims_at_once() -> anyhow::Result<()> {
     backlog(&db, &topic, 100).await?;
     let mut settings = RelaySettings::new(&brokers);
     settings.poll_interval = Duration::from_secs(60); // no poll within the test: only the start can claim
-    let relay = Relay::new(settings, Arc::new(db.store.clone()), Arc::new(SystemClock));
-    let stats = relay.stats();
-    let wakeup = PgOutboxWakeup::connect(&db.store).await?;
-    let stop = CancellationToken::new();
-    let task = tokio::spawn({
-        let stop = stop.clone();
-        async move { relay.run(Box::new(wakeup), stop).await }
-    });
-    let published = eventually(Duration::from_secs(15), || async { Ok(stats.published.get() >= 100) }).await?;
-    stop.cancel();
-    tokio::time::timeout(Duration::from_secs(20), task).await???;
-    assert!(published, "{} of 100 rows published within 15 s of the relay's start", stats.published.get());
+    let relay = start_relay_with(settings, Arc::new(db.store.clone()), &db.store).await?;
+    let published = eventually(Duration::from_secs(15), || async { Ok(relay.stats.published.get() >= 100) }).await?;
+    let count = relay.stats.published.get();
+    relay.stop().await;
+    assert!(published, "{count} of 100 rows published within 15 s of the relay's start");
     Ok(())
 }
 
