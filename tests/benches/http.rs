@@ -4,9 +4,14 @@
 //! on shared cores), and the ceiling — the same SQL transaction one charge executes, run by pgbench at the
 //! same concurrency.
 //!
+//! The VM's speed drifts by tens of percent within minutes, so the phases compared with the ceiling
+//! (layer on, relay idle) are not run once each: they run in BENCH_ROUNDS slices interleaved with slices of
+//! the ceiling (ceiling, on, idle, ceiling, on, idle, …, ceiling), each against its own database, and each
+//! ratio divides the sums over all slices. Every slice's rate is printed.
+//!
 //! Run with `scripts/bench.sh http` (builds the release binary and starts the services). Settings:
-//! BENCH_CONCURRENCY (8), BENCH_SECONDS (10), BENCH_PHASES (on,replay,off,idle), IDEM_BIN (target/release/idem),
-//! DATABASE_URL.
+//! BENCH_CONCURRENCY (8), BENCH_SECONDS (5, per slice), BENCH_ROUNDS (6), BENCH_PHASES (on,replay,off,idle),
+//! IDEM_BIN (target/release/idem), DATABASE_URL.
 
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::disallowed_methods)]
 
@@ -57,56 +62,130 @@ async fn work(svc: &common::Service, db: &str) -> anyhow::Result<[Option<f64>; 7
     ])
 }
 
-/// Two seconds of charges before a measured phase.
+/// Two seconds of charges before a measured slice.
 async fn warm_up(svc: &common::Service, concurrency: usize) {
-    let _ = phase("warm-up", &svc.base, concurrency, Duration::from_secs(2), |_, _| {
-        (Uuid::now_v7().to_string(), charge_body())
-    })
-    .await;
+    let _ =
+        phase(&svc.base, concurrency, Duration::from_secs(2), |_, _| (Uuid::now_v7().to_string(), charge_body())).await;
 }
 
-/// A warmed-up phase of new charges named `name`, printing what each charge cost: relay claims and rounds,
-/// database transactions, and CPU of the service, the broker, PostgreSQL and this load generator.
-async fn costed_charges(
-    svc: &common::Service,
-    db: &str,
-    name: &str,
-    concurrency: usize,
-    duration: Duration,
-) -> anyhow::Result<(Summary, Vec<(String, String)>)> {
+/// What slices of one phase measured, summed: latencies of successful requests, failures, time, the
+/// requests sent (for replays), each slice's rate, and the counters of [`work`] (deltas, summed).
+#[derive(Default)]
+struct Measured {
+    latencies: Vec<Duration>,
+    errors: usize,
+    elapsed: Duration,
+    sent: Vec<(String, String)>,
+    rates: Vec<f64>,
+    work: [Option<f64>; 7],
+}
+
+impl Measured {
+    fn add(&mut self, slice: Slice) {
+        self.rates.push(slice.latencies.len() as f64 / slice.elapsed.as_secs_f64().max(1e-9));
+        self.latencies.extend(slice.latencies);
+        self.errors += slice.errors;
+        self.elapsed += slice.elapsed;
+        self.sent.extend(slice.sent);
+    }
+
+    fn add_work(&mut self, before: [Option<f64>; 7], after: [Option<f64>; 7]) {
+        for (i, sum) in self.work.iter_mut().enumerate() {
+            *sum = match (before[i], after[i]) {
+                (Some(b), Some(a)) => Some(sum.unwrap_or(0.0) + a - b),
+                _ => None,
+            };
+        }
+    }
+
+    fn summary(&self, name: &str) -> Summary {
+        Summary::from_latencies(name, self.latencies.clone(), self.errors, self.elapsed)
+    }
+
+    /// Prints what each charge cost: relay claims and rounds, database transactions, and CPU of the
+    /// service, the broker, PostgreSQL and this load generator.
+    fn print_costs(&self, name: &str) {
+        let ops = self.latencies.len().max(1) as f64;
+        let per = |i: usize| self.work[i].map_or_else(|| "n/a".into(), |v| format!("{:.3}", v / ops));
+        println!(
+            "per charge ({name}): {} relay claims, {} relay rounds, {} database transactions",
+            per(0),
+            per(1),
+            per(2)
+        );
+        println!(
+            "CPU ms per charge ({name}): service {}, broker {}, PostgreSQL {}, load generator {}",
+            per(3),
+            per(4),
+            per(5),
+            per(6)
+        );
+    }
+}
+
+/// One warmed-up slice of new charges, added to `into` with its counters.
+async fn charges_slice(svc: &common::Service, db: &str, concurrency: usize, duration: Duration, into: &mut Measured) {
     warm_up(svc, concurrency).await;
-    let before = work(svc, db).await?;
-    let (summary, sent) =
-        phase(name, &svc.base, concurrency, duration, |_, _| (Uuid::now_v7().to_string(), charge_body())).await;
-    let after = work(svc, db).await?;
-    let per = |i: usize| match (before[i], after[i]) {
-        (Some(b), Some(a)) => format!("{:.3}", (a - b) / summary.ops as f64),
-        _ => "n/a".into(),
-    };
-    println!("per charge ({name}): {} relay claims, {} relay rounds, {} database transactions", per(0), per(1), per(2));
-    println!(
-        "CPU ms per charge ({name}): service {}, broker {}, PostgreSQL {}, load generator {}",
-        per(3),
-        per(4),
-        per(5),
-        per(6)
-    );
-    Ok((summary, sent))
+    let before = work(svc, db).await.unwrap_or([None; 7]);
+    let slice = phase(&svc.base, concurrency, duration, |_, _| (Uuid::now_v7().to_string(), charge_body())).await;
+    let after = work(svc, db).await.unwrap_or([None; 7]);
+    into.add(slice);
+    into.add_work(before, after);
 }
 
-/// One phase: `concurrency` workers sending `make()` requests until `duration` elapses.
+/// The ceiling's slices: pgbench's transactions per second, and the CPU PostgreSQL and pgbench spent.
+#[derive(Default)]
+struct Ceiling {
+    transactions: f64,
+    seconds: f64,
+    rates: Vec<f64>,
+    postgres_ms: f64,
+    pgbench_ms: f64,
+}
+
+impl Ceiling {
+    /// One slice of pgbench on `db`; its outbox rows are then removed (the service's relay keeps its own
+    /// outbox small), outside the measured time.
+    async fn slice(&mut self, db: &str, script: &str, concurrency: usize, seconds: u64) -> anyhow::Result<()> {
+        use sqlx::Connection;
+        let (pg, children) = (common::cpu_seconds_of("postgres"), common::children_cpu_seconds());
+        let tps = pgbench(db, script, concurrency, seconds)?;
+        self.postgres_ms += (common::cpu_seconds_of("postgres") - pg) * 1000.0;
+        self.pgbench_ms += (common::children_cpu_seconds() - children) * 1000.0;
+        self.transactions += tps * seconds as f64;
+        self.seconds += seconds as f64;
+        self.rates.push(tps);
+        let mut conn = sqlx::PgConnection::connect(db).await?;
+        sqlx::query("TRUNCATE outbox_message").execute(&mut conn).await?;
+        conn.close().await?;
+        Ok(())
+    }
+
+    fn rate(&self) -> f64 {
+        self.transactions / self.seconds.max(1e-9)
+    }
+}
+
+fn rates(r: &[f64]) -> String {
+    r.iter().map(|v| format!("{v:.0}")).collect::<Vec<_>>().join(" / ")
+}
+
+/// One slice of a phase: latencies of successful requests, failures, time, and up to 2,000 requests sent
+/// per client.
+struct Slice {
+    latencies: Vec<Duration>,
+    errors: usize,
+    elapsed: Duration,
+    sent: Vec<(String, String)>,
+}
+
+/// `concurrency` workers sending `make()` requests until `duration` elapses.
 ///
 /// Each worker owns one keep-alive HTTP/1.1 connection (hyper's connection API, driven in the worker's own
 /// task: no pool, no connection task) and the whole generator runs on one thread. The generator shares the
 /// two cores with what it measures, so every microsecond it spends is taken from the service; it prints
 /// its own CPU per charge.
-async fn phase<F>(
-    name: &str,
-    base: &str,
-    concurrency: usize,
-    duration: Duration,
-    make: F,
-) -> (Summary, Vec<(String, String)>)
+async fn phase<F>(base: &str, concurrency: usize, duration: Duration, make: F) -> Slice
 where
     F: Fn(usize, usize) -> (String, String) + 'static,
 {
@@ -120,18 +199,18 @@ where
         let (make, addr) = (make.clone(), addr.clone());
         tasks.push(local.spawn_local(async move { worker(&addr, w, deadline, &*make).await }));
     }
-    let (mut all, mut errors, mut sent) = (Vec::new(), 0, Vec::new());
+    let (mut latencies, mut errors, mut sent) = (Vec::new(), 0, Vec::new());
     local
         .run_until(async {
             for t in tasks {
                 let (l, e, s) = t.await.unwrap();
-                all.extend(l);
+                latencies.extend(l);
                 errors += e;
                 sent.extend(s);
             }
         })
         .await;
-    (Summary::from_latencies(name, all, errors, start.elapsed()), sent)
+    Slice { latencies, errors, elapsed: start.elapsed(), sent }
 }
 
 /// One client of [`phase`]: latencies of successful charges, failures, and up to 2,000 requests it sent.
@@ -189,79 +268,103 @@ async fn worker(
 async fn main() -> anyhow::Result<()> {
     let Some((admin, _)) = common::bench_env() else { return Ok(()) };
     let concurrency: usize = env_or("BENCH_CONCURRENCY", 8);
-    let seconds: u64 = env_or("BENCH_SECONDS", 10);
+    let seconds: u64 = env_or("BENCH_SECONDS", 5);
+    let rounds: usize = env_or("BENCH_ROUNDS", 6usize).max(1);
     let duration = Duration::from_secs(seconds);
     let bin = std::env::var("IDEM_BIN")
         .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/release/idem").into());
-    let db = fresh_database(&admin, "idem_bench_http").await?;
-    println!("idem HTTP benchmark: {concurrency} concurrent clients, {seconds} s per phase, binary {bin}");
-
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/sql/charge.sql");
-    // The ceiling is measured first (fresh tables) and last (after the service's phases wrote theirs):
-    // the machine's disk and autovacuum drift between the two, so the ratio uses their mean.
-    {
+    println!(
+        "idem HTTP benchmark: {concurrency} concurrent clients, {rounds} rounds of {seconds} s slices, binary {bin}"
+    );
+    // One database per service and one for the ceiling: no relay publishes another phase's rows, and the
+    // service can stay up (idle) while pgbench runs.
+    let mut dbs = Vec::new();
+    for name in ["idem_bench_http", "idem_bench_http_idle", "idem_bench_http_ceiling"] {
+        let db = fresh_database(&admin, name).await?;
         let store = idem_postgres::PgStore::connect(&db, &idem_postgres::PoolSettings::default()).await?;
         store.migrate().await?;
+        store.close().await;
+        dbs.push(db);
     }
-    let (pg, children) = (common::cpu_seconds_of("postgres"), common::children_cpu_seconds());
-    let tps_first = pgbench(&db, script, concurrency, seconds)?;
-    let per_tx = |now: f64, then: f64| (now - then) * 1000.0 / (tps_first * seconds as f64);
-    println!(
-        "CPU ms per transaction (ceiling, first run): PostgreSQL {:.3}, pgbench {:.3}",
-        per_tx(common::cpu_seconds_of("postgres"), pg),
-        per_tx(common::children_cpu_seconds(), children)
-    );
-    {
-        // its outbox rows are not the service's to publish
-        use sqlx::Connection;
-        let mut conn = sqlx::PgConnection::connect(&db).await?;
-        sqlx::query("DELETE FROM outbox_message").execute(&mut conn).await?;
-        sqlx::query("VACUUM ANALYZE outbox_message").execute(&mut conn).await?;
-    }
+    let (db, idle_db, ceiling_db) = (&dbs[0], &dbs[1], &dbs[2]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/sql/charge.sql");
+
     // BENCH_PHASES (on,replay,off,idle): the phases to run, for quick comparisons of one setting.
     let phases = std::env::var("BENCH_PHASES").unwrap_or_else(|_| "on,replay,off,idle".into());
     let wanted = |p: &str| phases.split(',').any(|x| x.trim() == p);
-    let mut rows = Vec::new();
-    let (mut on, mut off, mut replays, mut quiet) = (None, None, None, None);
-    if wanted("on") {
-        let svc = start_service(&bin, &db, 18080, "on").await?;
-        let (charges, sent) = costed_charges(&svc, &db, "charge, idempotency layer on", concurrency, duration).await?;
-        if wanted("replay") {
-            let pick = Arc::new(sent);
-            let (replay, _) = phase("replay of a stored key", &svc.base, concurrency, duration, move |w, i| {
-                pick[(w * 7919 + i) % pick.len()].clone()
-            })
-            .await;
-            replays = Some(replay);
-        }
-        on = Some(charges);
-    }
-    if wanted("off") {
-        let svc = start_service(&bin, &db, 18081, "off").await?;
-        warm_up(&svc, concurrency).await;
-        let charges = phase("charge, idempotency layer off", &svc.base, concurrency, duration, |_, _| {
-            (Uuid::now_v7().to_string(), charge_body())
-        })
-        .await
-        .0;
-        off = Some(charges);
-    }
-    // Diagnostic: the same charges while the relay does not publish (its claims are held off for the
-    // phase), to show what publishing every charge costs on cores shared with PostgreSQL and the broker.
-    if wanted("idle") {
+    let on_svc = if wanted("on") { Some(start_service(&bin, db, 18080, "on").await?) } else { None };
+    // Diagnostic: the same charges while the relay does not publish (its claims are held off), to show what
+    // publishing every charge costs on cores shared with PostgreSQL and the broker.
+    let idle_svc = if wanted("idle") {
         let idle = [("OUTBOX_MIN_CLAIM_INTERVAL", "1h"), ("OUTBOX_POLL_INTERVAL", "1h")];
-        let svc = common::start_service_with(&bin, &db, 18082, "on", &idle).await?;
-        quiet = Some(costed_charges(&svc, &db, "charge, layer on, relay idle", concurrency, duration).await?.0);
+        Some(common::start_service_with(&bin, idle_db, 18082, "on", &idle).await?)
+    } else {
+        None
+    };
+    let (mut ceiling, mut on, mut quiet) = (Ceiling::default(), Measured::default(), Measured::default());
+    for _ in 0..rounds {
+        ceiling.slice(ceiling_db, script, concurrency, seconds).await?;
+        if let Some(svc) = &on_svc {
+            charges_slice(svc, db, concurrency, duration, &mut on).await;
+        }
+        if let Some(svc) = &idle_svc {
+            charges_slice(svc, idle_db, concurrency, duration, &mut quiet).await;
+        }
     }
-    let tps_last = pgbench(&db, script, concurrency, seconds)?;
-    let tps = (tps_first + tps_last) / 2.0;
-    rows.extend([&on, &off, &replays, &quiet].into_iter().flatten().cloned());
+    ceiling.slice(ceiling_db, script, concurrency, seconds).await?;
+    drop(idle_svc);
+
+    let mut rows = Vec::new();
+    if let Some(svc) = &on_svc {
+        rows.push(on.summary("charge, idempotency layer on"));
+        if wanted("replay") {
+            let pick = Arc::new(std::mem::take(&mut on.sent));
+            let replay = phase(&svc.base, concurrency, duration, move |w, i| pick[(w * 7919 + i) % pick.len()].clone());
+            let mut replays = Measured::default();
+            replays.add(replay.await);
+            rows.push(replays.summary("replay of a stored key"));
+        }
+    }
+    drop(on_svc);
+    let off = if wanted("off") {
+        let svc = start_service(&bin, db, 18081, "off").await?;
+        warm_up(&svc, concurrency).await;
+        let mut off = Measured::default();
+        off.add(phase(&svc.base, concurrency, duration, |_, _| (Uuid::now_v7().to_string(), charge_body())).await);
+        let summary = off.summary("charge, idempotency layer off");
+        rows.push(summary.clone());
+        Some(summary)
+    } else {
+        None
+    };
+    if wanted("idle") {
+        rows.push(quiet.summary("charge, layer on, relay idle"));
+    }
     print_table(&rows);
-    println!(
-        "{:<44} {:>10} {:>8} {:>12.0}  (first {tps_first:.0}, last {tps_last:.0})",
-        "ceiling: same SQL transaction via pgbench", "-", "-", tps
-    );
+    let tps = ceiling.rate();
+    println!("{:<44} {:>10} {:>8} {:>12.0}", "ceiling: same SQL transaction via pgbench", "-", "-", tps);
     println!();
+    println!("slices (charges/s): ceiling {}", rates(&ceiling.rates));
+    if wanted("on") {
+        println!("slices (charges/s): layer on {}", rates(&on.rates));
+    }
+    if wanted("idle") {
+        println!("slices (charges/s): relay idle {}", rates(&quiet.rates));
+    }
+    let per_tx = |ms: f64| ms / ceiling.transactions.max(1.0);
+    println!(
+        "CPU ms per transaction (ceiling): PostgreSQL {:.3}, pgbench {:.3}",
+        per_tx(ceiling.postgres_ms),
+        per_tx(ceiling.pgbench_ms)
+    );
+    if wanted("on") {
+        on.print_costs("layer on");
+    }
+    if wanted("idle") {
+        quiet.print_costs("relay idle");
+    }
+    println!();
+    let on = wanted("on").then(|| on.summary("on"));
     if let (Some(on), Some(off)) = (&on, &off) {
         println!(
             "layer on / layer off          = {:.2}  (layer costs {:.0}% of throughput; target <= 20%)",
@@ -272,10 +375,13 @@ async fn main() -> anyhow::Result<()> {
     if let Some(on) = &on {
         println!("layer on / pgbench ceiling    = {:.2}  (target >= 0.80)", on.rate() / tps);
     }
-    if let Some(quiet) = &quiet {
-        println!("relay idle / pgbench ceiling  = {:.2}  (diagnostic: the same, not publishing)", quiet.rate() / tps);
+    if wanted("idle") {
+        println!(
+            "relay idle / pgbench ceiling  = {:.2}  (diagnostic: the same, not publishing)",
+            quiet.summary("idle").rate() / tps
+        );
     }
-    if let (Some(on), Some(replays)) = (&on, &replays) {
+    if let (Some(on), Some(replays)) = (&on, rows.iter().find(|r| r.name.starts_with("replay"))) {
         println!(
             "replay speed-up (p50, rate)   = {:.1}x, {:.1}x  (target >= 2x)",
             on.p50.as_secs_f64() / replays.p50.as_secs_f64().max(1e-9),
