@@ -94,7 +94,12 @@ start_tansu() {
 
 stop_tansu() {
   if [ -f "$state/tansu.pid" ]; then
-    kill "$(cat "$state/tansu.pid")" 2>/dev/null || true
+    local pid
+    pid=$(cat "$state/tansu.pid")
+    kill "$pid" 2>/dev/null || true
+    # Wait for it to exit: a start right after a stop must not find the dying broker still listening.
+    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$pid" 2>/dev/null || true
     rm -f "$state/tansu.pid"
     log "tansu stopped"
   fi
