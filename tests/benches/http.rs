@@ -69,8 +69,8 @@ async fn warm_up(svc: &common::Service, concurrency: usize) {
 }
 
 /// What slices of one phase measured, summed: latencies of successful requests, failures, time, the
-/// requests sent (for replays), each slice's rate, and the counters of [`work`] (deltas, summed).
-#[derive(Default)]
+/// requests sent (for replays), each slice's rate, and the counters of [`work`] (deltas, summed; `None`
+/// once a slice could not read one).
 struct Measured {
     latencies: Vec<Duration>,
     errors: usize,
@@ -78,6 +78,19 @@ struct Measured {
     sent: Vec<(String, String)>,
     rates: Vec<f64>,
     work: [Option<f64>; 7],
+}
+
+impl Default for Measured {
+    fn default() -> Self {
+        Self {
+            latencies: Vec::new(),
+            errors: 0,
+            elapsed: Duration::ZERO,
+            sent: Vec::new(),
+            rates: Vec::new(),
+            work: [Some(0.0); 7],
+        }
+    }
 }
 
 impl Measured {
@@ -91,8 +104,8 @@ impl Measured {
 
     fn add_work(&mut self, before: [Option<f64>; 7], after: [Option<f64>; 7]) {
         for (i, sum) in self.work.iter_mut().enumerate() {
-            *sum = match (before[i], after[i]) {
-                (Some(b), Some(a)) => Some(sum.unwrap_or(0.0) + a - b),
+            *sum = match (*sum, before[i], after[i]) {
+                (Some(s), Some(b), Some(a)) => Some(s + a - b),
                 _ => None,
             };
         }
