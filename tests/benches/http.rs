@@ -192,6 +192,12 @@ struct Slice {
     sent: Vec<(String, String)>,
 }
 
+impl Slice {
+    fn summary(self, name: &str) -> Summary {
+        Summary::from_latencies(name, self.latencies, self.errors, self.elapsed)
+    }
+}
+
 /// `concurrency` workers sending `make()` requests until `duration` elapses.
 ///
 /// Each worker owns one keep-alive HTTP/1.1 connection (hyper's connection API, driven in the worker's own
@@ -327,41 +333,35 @@ async fn main() -> anyhow::Result<()> {
     ceiling.slice(ceiling_db, script, concurrency, seconds).await?;
     drop(idle_svc);
 
-    let mut rows = Vec::new();
-    if let Some(svc) = &on_svc {
-        rows.push(on.summary("charge, idempotency layer on"));
-        if wanted("replay") {
+    let on_summary = on_svc.is_some().then(|| on.summary("charge, idempotency layer on"));
+    let replays = match &on_svc {
+        Some(svc) if wanted("replay") => {
             let pick = Arc::new(std::mem::take(&mut on.sent));
             let replay = phase(&svc.base, concurrency, duration, move |w, i| pick[(w * 7919 + i) % pick.len()].clone());
-            let mut replays = Measured::default();
-            replays.add(replay.await);
-            rows.push(replays.summary("replay of a stored key"));
+            Some(replay.await.summary("replay of a stored key"))
         }
-    }
+        _ => None,
+    };
     drop(on_svc);
     let off = if wanted("off") {
         let svc = start_service(&bin, db, 18081, "off").await?;
         warm_up(&svc, concurrency).await;
-        let mut off = Measured::default();
-        off.add(phase(&svc.base, concurrency, duration, |_, _| (Uuid::now_v7().to_string(), charge_body())).await);
-        let summary = off.summary("charge, idempotency layer off");
-        rows.push(summary.clone());
-        Some(summary)
+        let off = phase(&svc.base, concurrency, duration, |_, _| (Uuid::now_v7().to_string(), charge_body())).await;
+        Some(off.summary("charge, idempotency layer off"))
     } else {
         None
     };
-    if wanted("idle") {
-        rows.push(quiet.summary("charge, layer on, relay idle"));
-    }
+    let quiet_summary = wanted("idle").then(|| quiet.summary("charge, layer on, relay idle"));
+    let rows: Vec<Summary> = [&on_summary, &replays, &off, &quiet_summary].into_iter().flatten().cloned().collect();
     print_table(&rows);
     let tps = ceiling.rate();
     println!("{:<44} {:>10} {:>8} {:>12.0}", "ceiling: same SQL transaction via pgbench", "-", "-", tps);
     println!();
     println!("slices (charges/s): ceiling {}", rates(&ceiling.rates));
-    if wanted("on") {
+    if on_summary.is_some() {
         println!("slices (charges/s): layer on {}", rates(&on.rates));
     }
-    if wanted("idle") {
+    if quiet_summary.is_some() {
         println!("slices (charges/s): relay idle {}", rates(&quiet.rates));
     }
     let per_tx = |ms: f64| ms / ceiling.transactions.max(1.0);
@@ -370,31 +370,27 @@ async fn main() -> anyhow::Result<()> {
         per_tx(ceiling.postgres_ms),
         per_tx(ceiling.pgbench_ms)
     );
-    if wanted("on") {
+    if on_summary.is_some() {
         on.print_costs("layer on");
     }
-    if wanted("idle") {
+    if quiet_summary.is_some() {
         quiet.print_costs("relay idle");
     }
     println!();
-    let on = wanted("on").then(|| on.summary("on"));
-    if let (Some(on), Some(off)) = (&on, &off) {
+    if let (Some(on), Some(off)) = (&on_summary, &off) {
         println!(
             "layer on / layer off          = {:.2}  (layer costs {:.0}% of throughput; target <= 20%)",
             on.rate() / off.rate(),
             (1.0 - on.rate() / off.rate()) * 100.0
         );
     }
-    if let Some(on) = &on {
+    if let Some(on) = &on_summary {
         println!("layer on / pgbench ceiling    = {:.2}  (target >= 0.80)", on.rate() / tps);
     }
-    if wanted("idle") {
-        println!(
-            "relay idle / pgbench ceiling  = {:.2}  (diagnostic: the same, not publishing)",
-            quiet.summary("idle").rate() / tps
-        );
+    if let Some(quiet) = &quiet_summary {
+        println!("relay idle / pgbench ceiling  = {:.2}  (diagnostic: the same, not publishing)", quiet.rate() / tps);
     }
-    if let (Some(on), Some(replays)) = (&on, rows.iter().find(|r| r.name.starts_with("replay"))) {
+    if let (Some(on), Some(replays)) = (&on_summary, &replays) {
         println!(
             "replay speed-up (p50, rate)   = {:.1}x, {:.1}x  (target >= 2x)",
             on.p50.as_secs_f64() / replays.p50.as_secs_f64().max(1e-9),
