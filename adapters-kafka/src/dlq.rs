@@ -4,6 +4,11 @@
 //! provenance headers written by the consumer (`consumer.rs::dead_letter`). Re-driving produces the original
 //! message again to its source topic — same key, payload and headers, without the `dlq.*` ones — so the
 //! consumer's dedup by `event_id` still holds.
+//!
+//! Provenance cannot be forged by whoever produces to the source topic: the consumer drops incoming `dlq.*`
+//! headers before it appends its own, a provenance header is read from its last occurrence (the one the
+//! consumer appended, also on dead letters written before that), and a re-drive goes to the topic the
+//! caller names — `idem dlq redrive` names the consumer's own topic unless the operator names another.
 
 use std::time::Duration;
 
@@ -39,9 +44,15 @@ pub struct DeadLetterMessage {
 }
 
 impl DeadLetterMessage {
-    /// A header's value as text.
+    /// A header's value as text: the first occurrence, or for a `dlq.*` provenance header the last (the
+    /// one the consumer appended).
     pub fn header(&self, name: &str) -> Option<String> {
-        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+        let text = |(_, v): &(String, Vec<u8>)| String::from_utf8_lossy(v).into_owned();
+        if name.starts_with(DLQ_HEADER_PREFIX) {
+            self.headers.iter().rev().find(|(k, _)| k == name).map(text)
+        } else {
+            self.headers.iter().find(|(k, _)| k == name).map(text)
+        }
     }
 
     /// `dlq.reason` (empty if absent).
@@ -135,23 +146,23 @@ pub fn read_all(
     Ok(out)
 }
 
-/// Produces `dead`'s original message to its source topic (same key, payload and headers, plus
-/// [`REDRIVEN_FROM_HEADER`]) and waits for the acknowledgement.
+/// Produces `dead`'s original message to `to` (same key, payload and headers, plus
+/// [`REDRIVEN_FROM_HEADER`]) and waits for the acknowledgement. `to` is the caller's choice, never read
+/// from the dead letter: its source topic is a header, which only says where the consumer found it.
 pub async fn redrive(
     producer: &FutureProducer,
     dlq_topic: &str,
     dead: &DeadLetterMessage,
+    to: &str,
 ) -> Result<(), rdkafka::error::KafkaError> {
-    let Some(source) = dead.source_topic() else {
-        return Err(rdkafka::error::KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::InvalidMessage));
-    };
+    let source = to;
     let from = format!("{dlq_topic}/{}/{}", dead.partition, dead.offset);
     let mut headers = OwnedHeaders::new();
     for (k, v) in dead.original_headers() {
         headers = headers.insert(Header { key: k, value: Some(v) });
     }
     headers = headers.insert(Header { key: REDRIVEN_FROM_HEADER, value: Some(from.as_bytes()) });
-    let mut record = FutureRecord::to(&source).payload(&dead.payload).headers(headers);
+    let mut record = FutureRecord::to(source).payload(&dead.payload).headers(headers);
     if let Some(key) = &dead.key {
         record = record.key(key);
     }

@@ -234,7 +234,14 @@ impl PgStore {
     /// Begins a transaction, typed (for adapters' own use and tests).
     pub async fn begin_pg(&self) -> Result<PgUnitOfWork, StoreError> {
         let tx = self.transactions.begin().await.map_err(map_sqlx_error)?;
-        Ok(PgUnitOfWork { tx, dedup: self.dedup, outbox_signal: self.outbox_signal.clone(), wrote_outbox: false })
+        Ok(PgUnitOfWork {
+            tx,
+            dedup: self.dedup,
+            outbox_signal: self.outbox_signal.clone(),
+            wrote_outbox: false,
+            aborted: false,
+            unchecked: false,
+        })
     }
 }
 
@@ -253,14 +260,39 @@ pub struct PgUnitOfWork {
     outbox_signal: OutboxSignal,
     /// Set by the outbox writes: the commit then wakes the relays (after the commit, never inside it).
     pub(crate) wrote_outbox: bool,
+    /// A statement of idem's repositories failed in the database: the transaction is aborted.
+    aborted: bool,
+    /// The application had the connection ([`PgUnitOfWork::connection`]): its statements' errors are not
+    /// seen here, so the commit checks the transaction first.
+    unchecked: bool,
 }
 
 impl PgUnitOfWork {
     /// The open transaction's connection: run the application's own sqlx queries (`query!`, `query_as!`,
     /// …) on it. They commit or roll back together with idem's bookkeeping in this unit (idempotency
     /// record, processed-event row, outbox rows).
+    ///
+    /// A statement that fails aborts the whole transaction in PostgreSQL, and a `COMMIT` after that is
+    /// answered as a rollback without an error. So once the application had the connection, the commit
+    /// first checks that the transaction is still alive (one `SELECT 1`) and fails if it is not: an
+    /// application that swallowed an error of its own SQL never has its unit reported as committed.
     pub fn connection(&mut self) -> &mut sqlx::PgConnection {
+        self.unchecked = true;
         self.tx.connection()
+    }
+
+    /// The connection for idem's own repositories, which report every error they meet ([`Self::failed`]).
+    pub(crate) fn db(&mut self) -> &mut sqlx::PgConnection {
+        self.tx.connection()
+    }
+
+    /// Maps a repository's error and remembers that the transaction may be aborted: a caller that swallows
+    /// the error and commits is told the commit failed.
+    pub(crate) fn failed(&mut self, e: sqlx::Error) -> StoreError {
+        if matches!(e, sqlx::Error::Database(_)) {
+            self.aborted = true;
+        }
+        map_sqlx_error(e)
     }
 
     /// The PostgreSQL unit of work behind `uow` — the one idem's idempotency layer (`Tx::uow`) or consumer
@@ -306,7 +338,18 @@ impl UnitOfWork for PgUnitOfWork {
         self
     }
     async fn commit(self: Box<Self>) -> Result<(), StoreError> {
-        let Self { tx, outbox_signal, wrote_outbox, .. } = *self;
+        let Self { mut tx, outbox_signal, wrote_outbox, aborted, unchecked, .. } = *self;
+        // PostgreSQL answers COMMIT of an aborted transaction with the tag ROLLBACK and no error, and sqlx
+        // does not read the tag: a unit whose error was swallowed would be reported as committed.
+        let alive = !aborted && (!unchecked || sqlx::query("SELECT 1").execute(tx.connection()).await.is_ok());
+        if !alive {
+            let _ = tx.rollback().await;
+            return Err(StoreError::Other(
+                "the transaction was aborted by an earlier failed statement whose error was not returned: \
+                 rolled back, nothing committed"
+                    .into(),
+            ));
+        }
         tx.commit().await.map_err(map_sqlx_error)?;
         if wrote_outbox {
             outbox_signal.committed();

@@ -193,6 +193,22 @@ impl PgStore {
         .map_err(map_sqlx_error)
     }
 
+    /// Whether `consumer` holds a processed-event row for `event_id` in either dedup storage (a late
+    /// re-drive of such an event would be a duplicate: the consumer records the row for late admissions
+    /// too, so it would not apply it).
+    pub async fn processed_anywhere(&self, consumer: &str, event_id: uuid::Uuid) -> Result<bool, StoreError> {
+        sqlx::query_scalar!(
+            r#"SELECT (EXISTS (SELECT 1 FROM processed_event WHERE consumer_name = $1 AND event_id = $2)
+                    OR EXISTS (SELECT 1 FROM processed_event_partitioned
+                               WHERE consumer_name = $1 AND event_id = $2 AND event_time = uuid_v7_time($2))) AS "exists!""#,
+            consumer,
+            event_id,
+        )
+        .fetch_one(self.pool())
+        .await
+        .map_err(map_sqlx_error)
+    }
+
     /// Whether the dead letter at this position was re-driven already.
     pub async fn redriven(&self, dlq_topic: &str, partition: i32, offset: i64) -> Result<bool, StoreError> {
         sqlx::query_scalar!(

@@ -46,7 +46,7 @@ enum Command {
     Demo(Box<demo::DemoArgs>),
     /// Dead letters of the order consumer: list, show, re-drive.
     #[command(subcommand)]
-    Dlq(operate::DlqCommand),
+    Dlq(Box<operate::DlqCommand>),
     /// Outbox rows that do not get published: list quarantined or stuck rows, retry them.
     #[command(subcommand)]
     Outbox(operate::OutboxCommand),
@@ -164,7 +164,7 @@ async fn main() -> ExitCode {
         Command::Cleanup(args) => cleanup_once(args).await,
         Command::Pay(args) => demo::pay(*args).await,
         Command::Demo(args) => demo::demo(*args).await,
-        Command::Dlq(command) => operate::dlq(command).await,
+        Command::Dlq(command) => operate::dlq(*command).await,
         Command::Outbox(command) => operate::outbox(command).await,
         Command::Keys(command) => operate::keys(command).await,
     };

@@ -110,6 +110,10 @@ pub struct DlqRedriveArgs {
     /// Who re-drives (recorded); default `$USER`.
     #[arg(long)]
     pub by: Option<String>,
+    /// Re-drive to this topic. Default: the consumer's own topic (`KAFKA_ORDERS_TOPIC`); a dead letter
+    /// whose source is another topic is skipped unless that topic is named here.
+    #[arg(long)]
+    pub to_topic: Option<String>,
     /// Show what would be re-driven, change nothing.
     #[arg(long)]
     pub dry_run: bool,
@@ -434,6 +438,8 @@ async fn dlq_redrive(args: DlqRedriveArgs) -> anyhow::Result<()> {
     let by = args.by.clone().or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "unknown".into());
     let producer: rdkafka::producer::FutureProducer =
         idem_kafka::ProducerSettings::new(&args.topics.kafka.kafka_brokers).client_config().create()?;
+    let target = args.to_topic.as_deref().unwrap_or(&args.topics.orders.orders_topic);
+    let consumer_of = |m: &DeadLetterMessage| m.consumer_group().unwrap_or_else(|| args.topics.orders.group_id.clone());
     let (mut redriven, mut skipped, mut failed) = (Vec::new(), Vec::new(), Vec::new());
     let mut progress = Progress::new("re-driving", Some(selected.len() as u64), 100);
     for m in selected {
@@ -444,8 +450,17 @@ async fn dlq_redrive(args: DlqRedriveArgs) -> anyhow::Result<()> {
             skipped.push(skip("older than the dedup window: needs --admit-late (then applied at most once)"));
         } else if m.source_topic().is_none() {
             skipped.push(skip("no dlq.original.topic header"));
+        } else if m.source_topic().as_deref() != Some(target) && args.to_topic.is_none() {
+            skipped.push(skip(&format!(
+                "its source topic is not {target}, the topic this consumer reads: name a topic with --to-topic to re-drive it there"
+            )));
         } else if store.redriven(&dlq_topic, pos.partition, pos.offset).await? {
             skipped.push(skip("re-driven already"));
+        } else if let (true, Some(id)) = (late, m.event_id())
+            && store.processed_anywhere(&consumer_of(m), id).await?
+        {
+            skipped
+                .push(skip("applied already: its processed-event row still exists (a re-drive would be a duplicate)"));
         } else if args.dry_run {
             redriven.push(json!({"position": pos.to_string(), "event_id": m.event_id(), "dry_run": true}));
         } else {
@@ -454,16 +469,16 @@ async fn dlq_redrive(args: DlqRedriveArgs) -> anyhow::Result<()> {
                 dlq_partition: pos.partition,
                 dlq_offset: pos.offset,
                 event_id: m.event_id(),
-                source_topic: m.source_topic().unwrap_or_default(),
+                source_topic: target.to_owned(),
                 reason: m.reason(),
                 by: by.clone(),
                 at: SystemClock.now(),
                 admitted_late: late,
-                consumer: m.consumer_group().unwrap_or_else(|| args.topics.orders.group_id.clone()),
+                consumer: consumer_of(m),
             };
             if !store.record_redrive(&record).await? {
                 skipped.push(skip("re-driven already"));
-            } else if let Err(e) = dlq::redrive(&producer, &dlq_topic, m).await {
+            } else if let Err(e) = dlq::redrive(&producer, &dlq_topic, m, target).await {
                 store.forget_redrive(&dlq_topic, pos.partition, pos.offset).await?;
                 failed.push(json!({"position": pos.to_string(), "event_id": m.event_id(), "error": e.to_string()}));
             } else {

@@ -67,6 +67,41 @@ impl TtlPolicy {
         // The range check bounds the duration to 72 h, which always converts.
         now + chrono::Duration::from_std(self.0).unwrap_or(chrono::Duration::hours(72))
     }
+
+    /// Whether a deduplicating receiver applies, at `now`, an event whose id carries `event_time` (`None`:
+    /// an id without a time, a UUID v4, retained by processing time and always admitted).
+    pub fn admission(&self, now: DateTime<Utc>, event_time: Option<DateTime<Utc>>) -> Admission {
+        match event_time {
+            Some(t) if t < self.admission_floor(now) => Admission::TooOld,
+            Some(t) if t > admission_ceiling(now) => Admission::FutureDated,
+            _ => Admission::Admitted,
+        }
+    }
+
+    /// Until when the dedup row of an event processed at `processed_at`, whose id carries `event_time`,
+    /// is kept: a retention after the **later** of the two.
+    ///
+    /// The invariant (model-checked in `model/`, `inbox_outbox`): *every admitted duplicate of an event
+    /// finds that event's row*. A duplicate arriving at `now` is admitted only while
+    /// `event_time >= now - ttl + ADMISSION_MARGIN`, i.e. until `event_time + ttl - ADMISSION_MARGIN`; the
+    /// row lives until at least `event_time + ttl` and at least `processed_at + ttl`, so it outlives the
+    /// admission by the margin. Counting from processing time alone broke it for ids dated ahead (up to
+    /// [`MAX_FUTURE_SKEW`]): an id dated `D` ahead stayed admissible for `D - ADMISSION_MARGIN` after its
+    /// row was gone.
+    pub fn retain_until(&self, processed_at: DateTime<Utc>, event_time: Option<DateTime<Utc>>) -> DateTime<Utc> {
+        self.expires_at(event_time.map_or(processed_at, |t| t.max(processed_at)))
+    }
+}
+
+/// What a deduplicating receiver does with an event, by the time its id carries ([`TtlPolicy::admission`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// Inside the window: deduplicated by its row and applied if new.
+    Admitted,
+    /// Older than the admission floor: its row may be gone; dead-lettered `older-than-dedup-window`.
+    TooOld,
+    /// Dated beyond [`MAX_FUTURE_SKEW`] ahead: the producer's clock is wrong; dead-lettered.
+    FutureDated,
 }
 
 #[cfg(test)]
@@ -104,7 +139,36 @@ mod tests {
         assert_eq!(now - policy.admission_floor(now), chrono::Duration::hours(71));
     }
 
+    #[test]
+    fn an_id_dated_ahead_is_retained_from_its_own_time() {
+        let now = DateTime::from_timestamp(1_700_000_000, 0).expect("valid");
+        let policy = TtlPolicy::new(MIN_TTL).expect("valid");
+        let ahead = now + chrono::Duration::hours(10);
+        assert_eq!(policy.retain_until(now, Some(ahead)), ahead + chrono::Duration::hours(24));
+        assert_eq!(policy.retain_until(now, Some(now - chrono::Duration::hours(3))), now + chrono::Duration::hours(24));
+        assert_eq!(policy.retain_until(now, None), now + chrono::Duration::hours(24));
+    }
+
     proptest! {
+        /// Every duplicate admitted after an event was processed finds its row: admission ends before the
+        /// row's expiry, whatever the event's time (inside the admitted range) and the duplicate's arrival.
+        #[test]
+        fn an_admitted_duplicate_always_finds_the_row(
+            ttl_h in 24i64..=72,
+            event_offset_s in -(72 * 3600i64)..=(24 * 3600),
+            later_s in 0i64..(200 * 3600),
+        ) {
+            let ttl = TtlPolicy::new(Duration::from_secs(ttl_h as u64 * 3600)).expect("in range");
+            let processed = DateTime::from_timestamp(1_700_000_000, 0).expect("valid");
+            let event_time = processed + chrono::Duration::seconds(event_offset_s);
+            prop_assume!(ttl.admission(processed, Some(event_time)) == Admission::Admitted);
+            let row_until = ttl.retain_until(processed, Some(event_time));
+            let duplicate_at = processed + chrono::Duration::seconds(later_s);
+            if ttl.admission(duplicate_at, Some(event_time)) == Admission::Admitted {
+                prop_assert!(duplicate_at < row_until, "admitted at {duplicate_at} after the row expired at {row_until}");
+            }
+        }
+
         #[test]
         fn accepts_exactly_the_range(secs in 0u64..400_000) {
             let ok = TtlPolicy::new(Duration::from_secs(secs)).is_ok();

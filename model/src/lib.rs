@@ -4,6 +4,8 @@
 //! - [`inbox_outbox`]: the deduplicating consumer (duplicate deliveries, crashes between the database
 //!   commit and the offset commit, rebalances, evictions, the dedup window) and the outbox relay (crashes
 //!   between publishing and marking), with receivers deduplicating by `event_id`.
+//! - [`dedup_window`]: the dedup window with a real clock — admission floor and ceiling, row retention,
+//!   cleanup, late admissions — using the domain's own rules (`TtlPolicy::admission`, `retain_until`).
 //!
 //! Each model has an `Idem` variant — the protocol as the code implements it; every action is named after
 //! the function that performs it — and broken variants, one changed rule each. The tests check every
@@ -13,5 +15,6 @@
 
 #![warn(missing_docs)]
 
+pub mod dedup_window;
 pub mod http_claim;
 pub mod inbox_outbox;

@@ -2,6 +2,7 @@
 
 #![allow(clippy::print_stdout)]
 
+use idem_model::dedup_window::{self, DedupWindow, WindowVariant};
 use idem_model::http_claim::{self, ClaimProtocol, HttpVariant};
 use idem_model::inbox_outbox::{self, InboxOutbox, KafkaVariant};
 use std::collections::BTreeSet;
@@ -83,4 +84,23 @@ fn a_relay_marking_before_the_delivery_report_loses_output() {
 #[test]
 fn an_event_id_chosen_at_publish_duplicates_output_past_receiver_dedup() {
     violated(InboxOutbox::standard(KafkaVariant::EventIdAtPublish), inbox_outbox::AT_MOST_ONE_OUTPUT);
+}
+
+#[test]
+fn the_dedup_window_with_a_clock_lets_no_duplicate_through() {
+    let checker = check(DedupWindow::standard(WindowVariant::Idem));
+    assert!(checker.is_done(), "the state space was explored completely");
+    checker.assert_properties();
+}
+
+/// Issue 24.1: a late admission that checks only `late_admission` re-applies an event whose row is alive.
+#[test]
+fn a_late_admission_without_the_processed_row_applies_a_duplicate() {
+    violated(DedupWindow::standard(WindowVariant::LateAdmissionWithoutRow), dedup_window::NO_DUPLICATE_APPLIED);
+}
+
+/// Issue 24.2: rows kept a TTL after processing let a duplicate of an id dated ahead through.
+#[test]
+fn retention_from_processing_time_lets_a_future_dated_duplicate_through() {
+    violated(DedupWindow::standard(WindowVariant::RetainFromProcessing), dedup_window::NO_DUPLICATE_APPLIED);
 }

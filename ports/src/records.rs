@@ -229,6 +229,9 @@ pub struct ProcessedEvent {
     pub event_id: Uuid,
     /// The topic it came from (kept for diagnostics).
     pub topic: String,
+    /// When the row may be deleted (`TtlPolicy::retain_until`: a retention after the later of processing
+    /// time and the time the id carries).
+    pub expires_at: DateTime<Utc>,
 }
 
 /// Outcome of claiming a saga step.

@@ -146,7 +146,6 @@ pub trait ProcessedEventRepository: Send {
         consumer: &str,
         events: &[ProcessedEvent],
         created_at: DateTime<Utc>,
-        expires_at: DateTime<Utc>,
     ) -> Result<Vec<Uuid>, StoreError>;
 
     /// Whether `consumer` recorded `event_id`. A check outside the recording statement races with

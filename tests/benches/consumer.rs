@@ -51,8 +51,9 @@ impl EventHandler for SeedShape {
         }
         self.0.handle(uow, event).await?;
         let now = chrono::Utc::now();
-        let row = ProcessedEvent { event_id: event.event_id, topic: event.topic.clone() };
-        uow.processed_events().record_new(GROUP, &[row], now, now + chrono::Duration::hours(72)).await?;
+        let expires_at = now + chrono::Duration::hours(72);
+        let row = ProcessedEvent { event_id: event.event_id, topic: event.topic.clone(), expires_at };
+        uow.processed_events().record_new(GROUP, &[row], now).await?;
         Ok(())
     }
 }
@@ -108,7 +109,6 @@ impl ProcessedEventRepository for NothingRecorded {
         _consumer: &str,
         events: &[ProcessedEvent],
         _created_at: chrono::DateTime<chrono::Utc>,
-        _expires_at: chrono::DateTime<chrono::Utc>,
     ) -> Result<Vec<Uuid>, StoreError> {
         let mut ids: Vec<Uuid> = events.iter().map(|e| e.event_id).collect();
         ids.dedup();

@@ -229,6 +229,7 @@ pub async fn serve(router: axum::Router) -> anyhow::Result<String> {
     Ok(format!("http://{addr}"))
 }
 
+pub mod effects;
 pub mod faulty;
 pub mod kafka;
 

@@ -67,7 +67,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_domain::wire::headers as wire;
-use idem_domain::{EventId, TtlPolicy};
+use idem_domain::{Admission, EventId, TtlPolicy};
 use idem_ports::{
     BatchError, Clock, EventHandler, HandlerError, InboundEvent, ProcessedEvent, StoreError, TransactionManager,
 };
@@ -101,7 +101,8 @@ pub const FUTURE_DATED: &str = "future-dated-event-id";
 enum Dedup {
     /// `record_new` in the processed-event table (every event inside the dedup window).
     Window,
-    /// The operator's admission of an event older than the window, marked applied once.
+    /// The operator's admission of an event older than the window: the admission is marked applied and
+    /// the processed row recorded, and the event applied only when both were new.
     LateAdmission,
 }
 
@@ -401,14 +402,16 @@ impl Runner {
         let mut events = Vec::with_capacity(batch.len());
         let mut too_old = Vec::new();
         let now = self.clock.now();
-        let (floor, ceiling) = (self.settings.dedup_ttl.admission_floor(now), idem_domain::admission_ceiling(now));
+        let ttl = self.settings.dedup_ttl;
+        let floor = ttl.admission_floor(now);
         for m in batch {
             match m.to_event() {
                 // Ids without a time (v4) have no age to check: they are retained by processing time.
-                Ok(e) => match idem_domain::uuid_v7_time(e.event_id) {
+                Ok(e) => match (idem_domain::uuid_v7_time(e.event_id), ttl.admission(now, idem_domain::uuid_v7_time(e.event_id))) {
+                    (_, Admission::Admitted) | (None, _) => events.push((m, e)),
                     // Its dedup row may already be gone: applying it could apply it twice.
-                    Some(t) if t < floor => too_old.push((m, e, t)),
-                    Some(t) if t > ceiling => dead.push(DeadLetter {
+                    (Some(t), Admission::TooOld) => too_old.push((m, e, t)),
+                    (Some(t), Admission::FutureDated) => dead.push(DeadLetter {
                         message: m.clone(),
                         reason: FUTURE_DATED,
                         error: format!(
@@ -417,7 +420,6 @@ impl Runner {
                             idem_domain::MAX_FUTURE_SKEW.as_secs()
                         ),
                     }),
-                    _ => events.push((m, e)),
                 },
                 Err(error) => dead.push(DeadLetter { message: m.clone(), reason: "invalid-headers", error }),
             }
@@ -580,27 +582,35 @@ impl Runner {
             Err(e) => return BatchOutcome::Transient(e),
         };
         let now = self.clock.now();
-        let rows: Vec<ProcessedEvent> =
-            events.iter().map(|e| ProcessedEvent { event_id: e.event_id, topic: e.topic.clone() }).collect();
+        let ttl = self.settings.dedup_ttl;
+        let rows: Vec<ProcessedEvent> = events
+            .iter()
+            .map(|e| ProcessedEvent {
+                event_id: e.event_id,
+                topic: e.topic.clone(),
+                expires_at: ttl.retain_until(now, idem_domain::uuid_v7_time(e.event_id)),
+            })
+            .collect();
         let consumer = &self.settings.consumer.group_id;
-        let recorded = if dedup == Dedup::LateAdmission {
-            let mut admitted = Vec::new();
-            for row in &rows {
-                match uow.processed_events().apply_late_admission(consumer, row.event_id, now).await {
-                    Ok(true) => admitted.push(row.event_id),
-                    Ok(false) => {}
-                    Err(e) => return failed(e),
-                }
-            }
-            Ok(admitted)
-        } else {
-            let expires = self.settings.dedup_ttl.expires_at(now);
-            uow.processed_events().record_new(consumer, &rows, now, expires).await
-        };
-        let fresh: HashSet<Uuid> = match recorded {
+        // Every application records the event's processed row, late admissions too: the row of an
+        // earlier application may still be alive (a duplicate refused a minute after the first delivery
+        // crossed the floor), and then the admitted copy is a duplicate.
+        let mut fresh: HashSet<Uuid> = match uow.processed_events().record_new(consumer, &rows, now).await {
             Ok(ids) => ids.into_iter().collect(),
             Err(e) => return failed(e),
         };
+        if dedup == Dedup::LateAdmission {
+            // ... and the admission is consumed in the same transaction: applied only when both are new.
+            for row in &rows {
+                match uow.processed_events().apply_late_admission(consumer, row.event_id, now).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        fresh.remove(&row.event_id);
+                    }
+                    Err(e) => return failed(e),
+                }
+            }
+        }
         // First occurrence of each new event id, in partition order.
         let mut applied = HashSet::with_capacity(fresh.len());
         let mut to_apply: Vec<(usize, &InboundEvent)> = Vec::with_capacity(fresh.len());
@@ -637,7 +647,9 @@ impl Runner {
         let (partition, offset) = (m.partition.to_string(), m.offset.to_string());
         let failed_at = self.clock.now().to_rfc3339();
         let mut headers = OwnedHeaders::new();
-        for (k, v) in &m.headers {
+        // Provenance is ours alone: `dlq.*` headers a producer sent are dropped, or they would pass for it
+        // (a forged `dlq.original.topic` redirected a re-drive to any topic).
+        for (k, v) in m.headers.iter().filter(|(k, _)| !k.starts_with(wire::dlq::PREFIX)) {
             headers = headers.insert(Header { key: k, value: Some(v) });
         }
         for (k, v) in [

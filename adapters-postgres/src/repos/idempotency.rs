@@ -10,7 +10,6 @@ use idem_ports::{
 };
 
 use crate::PgUnitOfWork;
-use crate::error::map_sqlx_error;
 
 fn duration_ms(wait: Duration) -> String {
     format!("{}ms", wait.as_millis().max(1))
@@ -44,9 +43,9 @@ impl IdempotencyRepository for PgUnitOfWork {
             now,
             duration_ms(wait),
         )
-        .fetch_optional(self.connection())
+        .fetch_optional(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         if claimed.is_some() {
             return Ok(ClaimOutcome::Claimed);
         }
@@ -71,9 +70,9 @@ impl IdempotencyRepository for PgUnitOfWork {
             headers,
             response.body,
         )
-        .execute(self.connection())
+        .execute(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         if done.rows_affected() == 1 { Ok(()) } else { Err(StoreError::NotFound) }
     }
 
@@ -85,9 +84,9 @@ impl IdempotencyRepository for PgUnitOfWork {
             scope,
             key,
         )
-        .fetch_optional(self.connection())
+        .fetch_optional(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         let Some(row) = row else { return Ok(None) };
         let command_hash: [u8; 32] =
             row.command_hash.try_into().map_err(|_| StoreError::Other("command_hash is not 32 bytes".into()))?;

@@ -5,7 +5,6 @@ use idem_ports::{NewOutboxMessage, OutboxRecord, OutboxRepository, StoreError};
 use uuid::Uuid;
 
 use crate::PgUnitOfWork;
-use crate::error::map_sqlx_error;
 
 /// Number of key shards of the outbox (`key_shard` in the migrations); also the most advisory locks all
 /// relays together hold.
@@ -36,9 +35,9 @@ impl OutboxRepository for PgUnitOfWork {
             m.saga_id,
             m.created_at,
         )
-        .execute(self.connection())
+        .execute(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         Ok(())
     }
 
@@ -69,9 +68,9 @@ impl OutboxRepository for PgUnitOfWork {
             &messages.iter().map(|m| m.saga_id).collect::<Vec<_>>() as &[Option<Uuid>],
             &messages.iter().map(|m| m.created_at).collect::<Vec<_>>(),
         )
-        .execute(self.connection())
+        .execute(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         Ok(())
     }
 
@@ -100,9 +99,9 @@ impl OutboxRepository for PgUnitOfWork {
         // cost pushes the plan past `jit_above_cost`: JIT compilation made each claim ~300 ms, so JIT is off
         // for the claim. Transaction-scoped, like everything this unit sets; one round trip for both.
         sqlx::query("SELECT set_config('enable_sort', 'off', true), set_config('jit', 'off', true)")
-            .execute(self.connection())
+            .execute(self.db())
             .await
-            .map_err(map_sqlx_error)?;
+            .map_err(|e| self.failed(e))?;
         // Two statements: the rows are read with a snapshot taken after the shard locks are held. In one
         // statement the snapshot predates the locks, so a round that quarantined a key's first row and
         // committed just before the lock was taken left that key's later rows looking claimable, while
@@ -125,9 +124,9 @@ impl OutboxRepository for PgUnitOfWork {
             SHARDS_PER_CLAIM,
             OUTBOX_KEY_SHARDS,
         )
-        .fetch_all(self.connection())
+        .fetch_all(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         if held.is_empty() {
             return Ok(Vec::new());
         }
@@ -143,9 +142,9 @@ impl OutboxRepository for PgUnitOfWork {
             limit,
             &held,
         )
-        .fetch_all(self.connection())
+        .fetch_all(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         rows.into_iter()
             .map(|r| {
                 let headers = match r.headers {
@@ -172,9 +171,9 @@ impl OutboxRepository for PgUnitOfWork {
 
     async fn delete_published(&mut self, ids: &[Uuid]) -> Result<(), StoreError> {
         sqlx::query!("DELETE FROM outbox_message WHERE id = ANY($1)", ids)
-            .execute(self.connection())
+            .execute(self.db())
             .await
-            .map_err(map_sqlx_error)?;
+            .map_err(|e| self.failed(e))?;
         Ok(())
     }
 
@@ -184,9 +183,9 @@ impl OutboxRepository for PgUnitOfWork {
             ids,
             error,
         )
-        .execute(self.connection())
+        .execute(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         Ok(())
     }
 
@@ -204,16 +203,16 @@ impl OutboxRepository for PgUnitOfWork {
             error,
             quarantine_after,
         )
-        .fetch_one(self.connection())
+        .fetch_one(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         Ok(u64::try_from(quarantined).unwrap_or(0))
     }
 
     async fn backlog(&mut self) -> Result<i64, StoreError> {
         sqlx::query_scalar!(r#"SELECT count(*) AS "n!" FROM outbox_message"#)
-            .fetch_one(self.connection())
+            .fetch_one(self.db())
             .await
-            .map_err(map_sqlx_error)
+            .map_err(|e| self.failed(e))
     }
 }

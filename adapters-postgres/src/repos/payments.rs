@@ -10,7 +10,6 @@ use rust_decimal::Decimal;
 use uuid::Uuid;
 
 use crate::PgUnitOfWork;
-use crate::error::map_sqlx_error;
 
 struct PaymentRow {
     id: Uuid,
@@ -73,9 +72,9 @@ impl PaymentRepository for PgUnitOfWork {
             p.status.as_str(),
             p.created_at,
         )
-        .fetch_one(self.connection())
+        .fetch_one(self.db())
         .await
-        .map_err(map_sqlx_error)?
+        .map_err(|e| self.failed(e))?
         .try_into()
     }
 
@@ -99,9 +98,9 @@ impl PaymentRepository for PgUnitOfWork {
             p.status.as_str(),
             p.created_at,
         )
-        .fetch_optional(self.connection())
+        .fetch_optional(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         if let Some(row) = inserted {
             return Ok(PaymentInsert::Inserted(row.try_into()?));
         }
@@ -115,9 +114,9 @@ impl PaymentRepository for PgUnitOfWork {
             p.provider,
             p.external_payment_id,
         )
-        .fetch_optional(self.connection())
+        .fetch_optional(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         match record(existing)? {
             Some(p) => Ok(PaymentInsert::Existing(p)),
             None => Err(StoreError::Retryable("conflicting payment vanished".into())),
@@ -156,9 +155,9 @@ impl PaymentRepository for PgUnitOfWork {
             &col(|p| p.status.as_str().to_owned()),
             &created,
         )
-        .fetch_all(self.connection())
+        .fetch_all(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         let mut by_id: std::collections::HashMap<Uuid, PaymentRecord> = std::collections::HashMap::new();
         for row in inserted {
             let rec = PaymentRecord::try_from(row)?;
@@ -179,9 +178,9 @@ impl PaymentRepository for PgUnitOfWork {
                 &providers,
                 &externals,
             )
-            .fetch_all(self.connection())
+            .fetch_all(self.db())
             .await
-            .map_err(map_sqlx_error)?;
+            .map_err(|e| self.failed(e))?;
             for row in rows {
                 let rec = PaymentRecord::try_from(row)?;
                 existing.insert((rec.provider.clone(), rec.external_payment_id.clone()), rec);
@@ -208,9 +207,9 @@ impl PaymentRepository for PgUnitOfWork {
                FROM payment WHERE id = $1"#,
             id,
         )
-        .fetch_optional(self.connection())
+        .fetch_optional(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         record(row)
     }
 
@@ -222,9 +221,9 @@ impl PaymentRepository for PgUnitOfWork {
                FROM payment WHERE id = $1 FOR UPDATE"#,
             id,
         )
-        .fetch_optional(self.connection())
+        .fetch_optional(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         record(row)
     }
 
@@ -242,9 +241,9 @@ impl PaymentRepository for PgUnitOfWork {
             merchant_id,
             order_id,
         )
-        .fetch_optional(self.connection())
+        .fetch_optional(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         record(row)
     }
 
@@ -261,9 +260,9 @@ impl PaymentRepository for PgUnitOfWork {
             status.as_str(),
             r.created_at,
         )
-        .execute(self.connection())
+        .execute(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         if updated.rows_affected() != 1 {
             return Err(StoreError::NotFound);
         }
@@ -278,9 +277,9 @@ impl PaymentRepository for PgUnitOfWork {
             r.reason,
             r.created_at,
         )
-        .fetch_one(self.connection())
+        .fetch_one(self.db())
         .await
-        .map_err(map_sqlx_error)
+        .map_err(|e| self.failed(e))
     }
 }
 
@@ -305,9 +304,9 @@ impl ProjectionRepository for PgUnitOfWork {
             status,
             now,
         )
-        .fetch_optional(self.connection())
+        .fetch_optional(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         Ok(applied.is_some())
     }
 
@@ -332,8 +331,8 @@ impl ProjectionRepository for PgUnitOfWork {
             &versions.iter().map(|v| v.2.clone()).collect::<Vec<_>>(),
             now,
         )
-        .fetch_all(self.connection())
+        .fetch_all(self.db())
         .await
-        .map_err(map_sqlx_error)
+        .map_err(|e| self.failed(e))
     }
 }

@@ -6,7 +6,6 @@ use idem_ports::{SagaStepClaim, SagaStepRepository, StoreError};
 use uuid::Uuid;
 
 use crate::PgUnitOfWork;
-use crate::error::map_sqlx_error;
 
 #[async_trait]
 impl SagaStepRepository for PgUnitOfWork {
@@ -18,26 +17,26 @@ impl SagaStepRepository for PgUnitOfWork {
             step,
             now,
         )
-        .fetch_optional(self.connection())
+        .fetch_optional(self.db())
         .await
-        .map_err(map_sqlx_error)?;
+        .map_err(|e| self.failed(e))?;
         if claimed.is_some() {
             return Ok(SagaStepClaim::Claimed);
         }
         let outcome =
             sqlx::query_scalar!("SELECT outcome FROM saga_step WHERE saga_id = $1 AND step = $2", saga_id, step,)
-                .fetch_one(self.connection())
+                .fetch_one(self.db())
                 .await
-                .map_err(map_sqlx_error)?;
+                .map_err(|e| self.failed(e))?;
         Ok(SagaStepClaim::Done(outcome.unwrap_or(serde_json::Value::Null)))
     }
 
     async fn complete(&mut self, saga_id: Uuid, step: &str, outcome: &serde_json::Value) -> Result<(), StoreError> {
         let done =
             sqlx::query!("UPDATE saga_step SET outcome = $3 WHERE saga_id = $1 AND step = $2", saga_id, step, outcome,)
-                .execute(self.connection())
+                .execute(self.db())
                 .await
-                .map_err(map_sqlx_error)?;
+                .map_err(|e| self.failed(e))?;
         if done.rows_affected() == 1 { Ok(()) } else { Err(StoreError::NotFound) }
     }
 }

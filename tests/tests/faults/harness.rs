@@ -223,10 +223,12 @@ impl Findings {
 }
 
 /// A scenario's database: every committed outbox row is logged for invariant 3 (the relay deletes the rows
-/// it publishes).
+/// it publishes), and every application of an order event for invariant 2 (the order handler is idempotent
+/// on its own, so surviving payments cannot show an event applied twice).
 pub async fn scenario_db() -> anyhow::Result<TestDb> {
     let db = TestDb::new().await?;
     db.log_outbox_rows().await?;
+    idem_tests::effects::log_order_applications(&db).await?;
     Ok(db)
 }
 
@@ -271,6 +273,18 @@ pub async fn check(
             .await?;
     for (payment, n) in refunds {
         f.dup(format!("payment {payment} refunded {n} times"));
+    }
+    // applications, not survivors: each order event applied once. The scenarios send one OrderPlaced id
+    // per order (some delivered twice) and, for a cancelled order, two OrderCancelled events with distinct
+    // ids (a compensation sent twice): version 1 at most once, version 2 at most twice.
+    let logged: bool =
+        sqlx::query_scalar("SELECT to_regclass('test_application') IS NOT NULL").fetch_one(db.pool()).await?;
+    if logged {
+        for (order, version, n) in idem_tests::effects::orders_applied_twice(db).await? {
+            if n > version.min(2) {
+                f.dup(format!("order {order} version {version} applied {n} times"));
+            }
+        }
     }
     for order in orders {
         let n: i64 = sqlx::query_scalar("SELECT count(*) FROM payment WHERE order_id = $1")

@@ -124,9 +124,12 @@ async fn partition_drop_removes_only_expired_ranges() -> anyhow::Result<()> {
             .processed_events()
             .record_new(
                 "g",
-                &[ProcessedEvent { event_id: id, topic: "orders".into() }],
+                &[ProcessedEvent {
+                    event_id: id,
+                    topic: "orders".into(),
+                    expires_at: now + chrono::Duration::hours(72),
+                }],
                 now,
-                now + chrono::Duration::hours(72),
             )
             .await?;
         assert_eq!(fresh, vec![id]);
@@ -138,9 +141,12 @@ async fn partition_drop_removes_only_expired_ranges() -> anyhow::Result<()> {
         .processed_events()
         .record_new(
             "g",
-            &[ProcessedEvent { event_id: ids[4].1, topic: "orders".into() }],
+            &[ProcessedEvent {
+                event_id: ids[4].1,
+                topic: "orders".into(),
+                expires_at: now + chrono::Duration::hours(72),
+            }],
             now,
-            now + chrono::Duration::hours(72),
         )
         .await?;
     assert!(again.is_empty(), "duplicate detected in the partitioned table");

@@ -592,3 +592,122 @@ async fn a_member_leaving_during_a_rebalance_does_not_stall_the_group() -> anyho
     assert_eq!(db.count("payment").await?, sent);
     Ok(())
 }
+
+mod effects {
+    //! Issue 24: dedup holes, counted through a handler that is not idempotent on its own (one row per
+    //! application), with the runner's clock moved instead of waiting a day.
+
+    use super::*;
+    use idem_postgres::DedupStorage;
+    use idem_postgres::cleanup::{Cleaner, CleanupSettings};
+    use idem_tests::effects::{CountingHandler, ShiftedClock, applications_of_event, create_application_log};
+
+    const DAY: u64 = 24 * 3600;
+
+    fn counting(store: PgStore, settings: RunnerSettings, clock: Arc<ShiftedClock>) -> Running {
+        let runner = Runner::new(settings, Arc::new(store), clock, Arc::new(CountingHandler));
+        let stats = runner.stats();
+        let stop = CancellationToken::new();
+        let token = stop.clone();
+        let task = tokio::spawn(async move {
+            if let Err(e) = runner.run(token).await {
+                panic!("consumer failed: {e}");
+            }
+        });
+        Running { stop, task, stats }
+    }
+
+    fn day_settings(brokers: &str, group: &str, topic: &str) -> RunnerSettings {
+        let mut s = settings(brokers, group, topic, 10);
+        s.dedup_ttl = TtlPolicy::new(Duration::from_secs(DAY)).expect("ttl");
+        s
+    }
+
+    /// Sends a marker dated at the runner's clock and waits until it was applied: everything sent before it
+    /// on the partition was handled.
+    async fn drain(
+        db: &TestDb,
+        p: &rdkafka::producer::FutureProducer,
+        topic: &str,
+        clock: &ShiftedClock,
+    ) -> anyhow::Result<()> {
+        use idem_ports::Clock;
+        let marker = idem_tests::v7_at(clock.now());
+        send(p, topic, Uuid::from_u128(1), marker, b"{}").await?;
+        let seen =
+            eventually(Duration::from_secs(60), || async { Ok(applications_of_event(db, marker).await? == 1) }).await?;
+        anyhow::ensure!(seen, "the marker {marker} was never applied");
+        Ok(())
+    }
+
+    /// 24.1: an event applied inside the window, refused 60 s later as `older-than-dedup-window` and
+    /// re-driven with `--admit-late` (its `late_admission` row), is not applied again while its
+    /// processed-event row still exists — in both dedup storages.
+    #[tokio::test]
+    async fn a_late_redrive_of_an_event_still_recorded_is_not_applied_again() -> anyhow::Result<()> {
+        for storage in [DedupStorage::Table, DedupStorage::Partitioned] {
+            let (db, brokers, topic) = setup(1).await?;
+            create_application_log(&db).await?;
+            let store = db.store.clone().with_dedup_storage(storage);
+            let clock = Arc::new(ShiftedClock::new());
+            let group = unique_topic("g");
+            let running = counting(store, day_settings(&brokers, &group, &topic), clock.clone());
+            let p = producer(&brokers)?;
+            // 22 h 59 m 30 s old: 30 s inside the admission floor of a 24 h window
+            let e = idem_tests::v7_at(chrono::Utc::now() - chrono::Duration::seconds(23 * 3600 - 30));
+            send(&p, &topic, Uuid::from_u128(2), e, b"{}").await?;
+            drain(&db, &p, &topic, &clock).await?;
+            assert_eq!(applications_of_event(&db, e).await?, 1, "{storage:?}: the first delivery");
+            clock.advance(chrono::Duration::seconds(60));
+            send(&p, &topic, Uuid::from_u128(2), e, b"{}").await?;
+            drain(&db, &p, &topic, &clock).await?;
+            let refused = running.stats.dead_lettered.get();
+            assert_eq!(refused, 1, "{storage:?}: the second delivery is past the floor and dead-lettered");
+            // what `idem dlq redrive --admit-late` does: admit it, then produce it again
+            sqlx::query("INSERT INTO late_admission (consumer, event_id, admitted_by, admitted_at) VALUES ($1, $2, 'test', now())")
+                .bind(&group)
+                .bind(e)
+                .execute(db.pool())
+                .await?;
+            send(&p, &topic, Uuid::from_u128(2), e, b"{}").await?;
+            drain(&db, &p, &topic, &clock).await?;
+            running.stop().await;
+            assert_eq!(
+                applications_of_event(&db, e).await?,
+                1,
+                "{storage:?}: a late admission applied an event whose processed-event row still exists"
+            );
+        }
+        Ok(())
+    }
+
+    /// 24.2: an id dated 10 h ahead is applied; 25 h later (after a cleanup) the same event arrives again.
+    /// It is still inside the admission window (its own time + TTL − 1 h), so its dedup row must still be
+    /// there: the row's expiry counts from the later of processing time and event time.
+    #[tokio::test]
+    async fn an_event_dated_ahead_keeps_its_dedup_row_as_long_as_it_is_admitted() -> anyhow::Result<()> {
+        let (db, brokers, topic) = setup(1).await?;
+        create_application_log(&db).await?;
+        let clock = Arc::new(ShiftedClock::new());
+        let running = counting(db.store.clone(), day_settings(&brokers, &unique_topic("g"), &topic), clock.clone());
+        let p = producer(&brokers)?;
+        let e = idem_tests::v7_at(chrono::Utc::now() + chrono::Duration::hours(10));
+        send(&p, &topic, Uuid::from_u128(3), e, b"{}").await?;
+        drain(&db, &p, &topic, &clock).await?;
+        assert_eq!(applications_of_event(&db, e).await?, 1);
+        clock.advance(chrono::Duration::hours(25));
+        {
+            use idem_ports::Clock;
+            Cleaner::new(db.store.clone(), CleanupSettings::default()).run_once(clock.now()).await?;
+        }
+        send(&p, &topic, Uuid::from_u128(3), e, b"{}").await?;
+        drain(&db, &p, &topic, &clock).await?;
+        running.stop().await;
+        assert_eq!(
+            applications_of_event(&db, e).await?,
+            1,
+            "a future-dated event was applied again after its dedup row expired inside its admission window"
+        );
+        Ok(())
+    }
+}

@@ -186,9 +186,9 @@ async fn processed_events_dedup_a_batch_in_one_statement() -> anyhow::Result<()>
     let exp = now + chrono::Duration::hours(72);
     let a = Uuid::now_v7();
     let b = Uuid::now_v7();
-    let ev = |id| ProcessedEvent { event_id: id, topic: "orders".into() };
+    let ev = |id| ProcessedEvent { event_id: id, topic: "orders".into(), expires_at: exp };
     let mut uow = db.store.begin().await?;
-    let mut fresh = uow.processed_events().record_new("payment-service", &[ev(a), ev(b), ev(a)], now, exp).await?;
+    let mut fresh = uow.processed_events().record_new("payment-service", &[ev(a), ev(b), ev(a)], now).await?;
     fresh.sort();
     let mut want = vec![a, b];
     want.sort();
@@ -197,9 +197,9 @@ async fn processed_events_dedup_a_batch_in_one_statement() -> anyhow::Result<()>
 
     let mut uow = db.store.begin().await?;
     let c = Uuid::now_v7();
-    assert_eq!(uow.processed_events().record_new("payment-service", &[ev(a), ev(c)], now, exp).await?, vec![c]);
+    assert_eq!(uow.processed_events().record_new("payment-service", &[ev(a), ev(c)], now).await?, vec![c]);
     // another consumer group never dedups against this one
-    assert_eq!(uow.processed_events().record_new("analytics", &[ev(a)], now, exp).await?, vec![a]);
+    assert_eq!(uow.processed_events().record_new("analytics", &[ev(a)], now).await?, vec![a]);
     uow.commit().await?;
     assert_eq!(db.count("processed_event").await?, 4);
     Ok(())
@@ -278,6 +278,13 @@ async fn a_unit_of_work_costs_its_statements_and_nothing_more() -> anyhow::Resul
     let store = idem_postgres::PgStore::connect(&proxied, &settings).await?;
     let unit = |store: idem_postgres::PgStore| async move {
         let mut uow = store.begin_pg().await?;
+        uow.processed_events().is_processed("g", Uuid::nil()).await?;
+        Box::new(uow).commit().await?;
+        anyhow::Ok(())
+    };
+    // the application's own SQL: the commit checks the transaction is alive first (issue 24.7)
+    let own_sql = |store: idem_postgres::PgStore| async move {
+        let mut uow = store.begin_pg().await?;
         sqlx::query("SELECT 1").execute(uow.connection()).await?;
         Box::new(uow).commit().await?;
         anyhow::Ok(())
@@ -291,6 +298,12 @@ async fn a_unit_of_work_costs_its_statements_and_nothing_more() -> anyhow::Resul
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(proxy.flights() - before, 15, "five units of work of one statement: BEGIN, SELECT, COMMIT each");
+    own_sql(store.clone()).await?; // prepares its statement on the connection
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let before = proxy.flights();
+    own_sql(store.clone()).await?;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(proxy.flights() - before, 4, "the application's SQL: BEGIN, SELECT, the check, COMMIT");
 
     tokio::time::sleep(settings.ping_after_idle + Duration::from_millis(200)).await;
     let before = proxy.flights();
@@ -338,5 +351,59 @@ async fn unit_of_work_connections_are_reused_until_their_lifetime_ends() -> anyh
     assert_eq!(backend(store.clone()).await?, first, "a young connection is reused");
     tokio::time::sleep(settings.max_lifetime + Duration::from_millis(200)).await;
     assert_ne!(backend(store.clone()).await?, first, "a connection past max_lifetime is replaced");
+    Ok(())
+}
+
+/// Issue 24.7: PostgreSQL answers `COMMIT` of an aborted transaction with the tag `ROLLBACK` and no error.
+/// A handler that swallows a failed statement (its own SQL, or one of idem's repositories) and carries on
+/// must not have its unit reported as committed: the commit fails and nothing is written.
+#[tokio::test]
+async fn a_commit_after_a_swallowed_error_fails_instead_of_reporting_success() -> anyhow::Result<()> {
+    use idem_ports::NewOutboxMessage;
+    use idem_postgres::PgUnitOfWork;
+
+    let db = TestDb::new().await?;
+    sqlx::raw_sql("CREATE TABLE app_effect (n int)").execute(db.pool()).await?;
+    let message = |id: Uuid| NewOutboxMessage {
+        id,
+        topic: "t".into(),
+        aggregate_type: "a".into(),
+        aggregate_id: "k".into(),
+        event_type: "E".into(),
+        payload: serde_json::json!({}),
+        saga_id: None,
+        traceparent: None,
+        created_at: Utc::now(),
+    };
+    let taken = Uuid::now_v7();
+    let mut uow = db.store.begin().await?;
+    uow.outbox().enqueue(&message(taken)).await?;
+    uow.commit().await?;
+
+    // the application's own SQL fails, the error is dropped, the handler writes on and commits
+    let mut uow = db.store.begin().await?;
+    let pg = PgUnitOfWork::of(uow.as_mut())?;
+    sqlx::query("INSERT INTO app_effect VALUES (1)").execute(pg.connection()).await?;
+    let swallowed = sqlx::query("SELECT 1 / 0").execute(pg.connection()).await;
+    assert!(swallowed.is_err());
+    let _ = sqlx::query("INSERT INTO app_effect VALUES (2)").execute(pg.connection()).await;
+    let committed = uow.commit().await;
+    assert!(committed.is_err(), "a COMMIT answered ROLLBACK was reported as success");
+    assert_eq!(db.count("app_effect").await?, 0);
+
+    // one of idem's repositories fails (a duplicate outbox id), the handler ignores it and commits
+    let mut uow = db.store.begin().await?;
+    let fresh = Uuid::now_v7();
+    let _ = uow.outbox().enqueue(&message(taken)).await;
+    let _ = uow.outbox().enqueue(&message(fresh)).await;
+    assert!(uow.commit().await.is_err(), "a COMMIT answered ROLLBACK was reported as success");
+    assert_eq!(db.unpublished().await?, 1, "only the first committed row exists");
+
+    // a healthy unit that used the connection still commits
+    let mut uow = db.store.begin().await?;
+    let pg = PgUnitOfWork::of(uow.as_mut())?;
+    sqlx::query("INSERT INTO app_effect VALUES (3)").execute(pg.connection()).await?;
+    uow.commit().await?;
+    assert_eq!(db.count("app_effect").await?, 1);
     Ok(())
 }

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use harness::{API_KEY, Service, charge_request};
 use idem_tests::TestDb;
+use idem_tests::effects::{applications_of_order, log_order_applications};
 use idem_tests::kafka::{eventually, produce, producer};
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -56,6 +57,7 @@ async fn payments_of(db: &TestDb, external: &str) -> anyhow::Result<i64> {
 #[tokio::test]
 async fn dead_letters_are_listed_shown_and_redriven_once() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
+    log_order_applications(&db).await?;
     let brokers = idem_tests::kafka_brokers().await?;
     let mut service = Service::new(&db.url, &brokers);
     service.start().await?;
@@ -123,7 +125,9 @@ async fn dead_letters_are_listed_shown_and_redriven_once() -> anyhow::Result<()>
     let behind =
         eventually(Duration::from_secs(30), || async { Ok(payments_of(&db, "pi_ops_marker").await? == 1) }).await?;
     assert!(behind, "the consumer stopped");
-    assert_eq!(payments_of(&db, "pi_ops_late").await?, 1, "a late-admitted event was applied twice");
+    assert_eq!(payments_of(&db, "pi_ops_late").await?, 1);
+    // counted as applications: the order handler is idempotent on its own, payments cannot show a second one
+    assert_eq!(applications_of_order(&db, old_order).await?, 1, "a late-admitted event was applied twice");
 
     let (by, late): (String, bool) =
         sqlx::query_as("SELECT redriven_by, admitted_late FROM dlq_redrive WHERE event_id = $1")
@@ -131,6 +135,119 @@ async fn dead_letters_are_listed_shown_and_redriven_once() -> anyhow::Result<()>
             .fetch_one(db.pool())
             .await?;
     assert_eq!((by.as_str(), late), ("alice", true));
+    Ok(())
+}
+
+/// Issue 24.1 through the real binary: with `DEDUP_TTL=24h`, an event dated just inside the admission floor
+/// is applied; the same event arrives again once the floor has passed it and is dead-lettered
+/// `older-than-dedup-window`. `idem dlq redrive --admit-late` reports it as applied already (its processed row
+/// is alive) and does not re-drive it; and a copy produced anyway with its admission recorded (what the old
+/// re-drive did) is counted as a duplicate, not applied a second time.
+#[tokio::test]
+async fn a_late_redrive_of_an_event_applied_inside_the_window_is_not_applied_again() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    log_order_applications(&db).await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&db.url, &brokers).with_env("DEDUP_TTL", "24h");
+    service.start().await?;
+    let p = producer(&brokers)?;
+    let topic = service.orders_topic.clone();
+    // the admission floor of a 24 h window is 23 h back: it passes this id's time 8 s from now
+    let crossing = chrono::Utc::now() + chrono::Duration::seconds(8);
+    let id = idem_tests::v7_at(crossing - chrono::Duration::hours(23));
+    let order = Uuid::now_v7();
+    let body = placed(order, "pi_ops_edge");
+    let id_text = id.to_string();
+    let headers: [(&str, &[u8]); 1] = [("event_id", id_text.as_bytes())];
+    produce(&p, &topic, Some(&order.to_string()), body.as_bytes(), &headers).await?;
+    let applied =
+        eventually(Duration::from_secs(30), || async { Ok(applications_of_order(&db, order).await? == 1) }).await?;
+    assert!(applied, "the first delivery was not applied");
+    let wait = (crossing + chrono::Duration::seconds(1) - chrono::Utc::now()).to_std().unwrap_or_default();
+    tokio::time::sleep(wait).await;
+    produce(&p, &topic, Some(&order.to_string()), body.as_bytes(), &headers).await?;
+    let refused = eventually(Duration::from_secs(30), || async {
+        Ok(idem_json(&service, &["dlq", "list", "--reason", "older-than-dedup-window"])?["total"].as_u64() == Some(1))
+    })
+    .await?;
+    assert!(
+        refused,
+        "the second delivery past the floor was not dead-lettered: {}",
+        idem_json(&service, &["dlq", "list"])?
+    );
+    let done = idem_json(
+        &service,
+        &["dlq", "redrive", "--all-matching", "--reason", "older-than-dedup-window", "--admit-late", "--by", "bob"],
+    )?;
+    assert_eq!(done["redriven"].as_array().unwrap().len(), 0, "{done}");
+    assert!(done["skipped"][0]["why"].as_str().unwrap().contains("applied already"), "{done}");
+    // the old re-drive: admission recorded, the message produced again
+    sqlx::query(
+        "INSERT INTO late_admission (consumer, event_id, admitted_by, admitted_at) VALUES ($1, $2, 'bob', now())",
+    )
+    .bind(&service.group)
+    .bind(id)
+    .execute(db.pool())
+    .await?;
+    produce(&p, &topic, Some(&order.to_string()), body.as_bytes(), &headers).await?;
+    let marker = Uuid::now_v7();
+    let (marker_body, marker_id) = (placed(marker, "pi_ops_edge_marker"), Uuid::now_v7().to_string());
+    produce(&p, &topic, Some(&marker.to_string()), marker_body.as_bytes(), &[("event_id", marker_id.as_bytes())])
+        .await?;
+    let behind =
+        eventually(Duration::from_secs(30), || async { Ok(applications_of_order(&db, marker).await? == 1) }).await?;
+    assert!(behind, "the consumer stopped");
+    assert_eq!(applications_of_order(&db, order).await?, 1, "the late-admitted copy was applied a second time");
+    Ok(())
+}
+
+/// Issue 24.3: a producer to the orders topic forges the provenance headers of a dead letter. The dead
+/// letter shows the consumer's own topic as its source, and a bulk re-drive produces it to the orders topic,
+/// never to the payments topic the forged header named.
+#[tokio::test]
+async fn forged_dead_letter_headers_cannot_redirect_a_redrive() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&db.url, &brokers);
+    service.start().await?;
+    let p = producer(&brokers)?;
+    let topic = service.orders_topic.clone();
+    let forged_id = Uuid::now_v7().to_string();
+    let payments = service.payments_topic.clone();
+    produce(
+        &p,
+        &topic,
+        Some("k-forged"),
+        b"{\"attacker\":true}",
+        &[
+            ("event_id", forged_id.as_bytes()),
+            ("dlq.original.topic", payments.as_bytes()),
+            ("dlq.reason", b"malformed"),
+            ("dlq.consumer.group", b"someone-else"),
+        ],
+    )
+    .await?;
+    let listed = eventually(Duration::from_secs(60), || async {
+        Ok(idem_json(&service, &["dlq", "list"])?["total"].as_u64() == Some(1))
+    })
+    .await?;
+    assert!(listed, "no dead letter: {}", idem_json(&service, &["dlq", "list"])?);
+    let list = idem_json(&service, &["dlq", "list"])?;
+    let dead = &list["dead_letters"][0];
+    assert_eq!(dead["source_topic"], json!(topic), "the forged source topic was believed: {list}");
+    let shown = idem_json(&service, &["dlq", "show", dead["position"].as_str().unwrap()])?;
+    assert_eq!(shown["headers"]["dlq.consumer.group"], json!(service.group), "{shown}");
+
+    let done = idem_json(&service, &["dlq", "redrive", "--all-matching", "--reason", "malformed", "--by", "ops"])?;
+    assert_eq!(done["redriven"].as_array().unwrap().len(), 1, "{done}");
+    let on_payments = idem_tests::kafka::read_topic(&brokers, &payments, 1, Duration::from_secs(8)).await?;
+    assert!(
+        on_payments.iter().all(|m| m.header("event_id").as_deref() != Some(forged_id.as_str())),
+        "the forged message reached the payments topic"
+    );
+    let on_orders = idem_tests::kafka::read_topic(&brokers, &topic, 2, Duration::from_secs(20)).await?;
+    let copies = on_orders.iter().filter(|m| m.header("event_id").as_deref() == Some(forged_id.as_str())).count();
+    assert_eq!(copies, 2, "the re-drive went back to the orders topic");
     Ok(())
 }
 
