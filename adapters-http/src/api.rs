@@ -320,9 +320,12 @@ pub async fn refund(
         Err(RefundError::NotFound) => Err(not_found()),
         // Refusals that depend on the payment (its currency, what is left to refund, its status) conflict
         // with the state of the resource: 409, not 422 (the request itself is well-formed).
+        // Nothing was written, and the request can never succeed as sent: the key stays free for the
+        // corrected amount (as for any invalid field).
         Err(RefundError::Amount(e)) => Err(Problem::new(ProblemKind::AmountFinerThanCurrency, StatusCode::CONFLICT)
             .field("amount")
             .detail(e.to_string())
+            .unexecuted()
             .into()),
         Err(RefundError::Rule(e @ RefundRuleError::ExceedsCaptured { .. })) => {
             Err(Problem::new(ProblemKind::RefundExceedsCaptured, StatusCode::CONFLICT)

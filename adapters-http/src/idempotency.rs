@@ -450,14 +450,24 @@ where
     let route = parts.uri.path_and_query().map_or(parts.uri.path(), |pq| pq.as_str());
     let fingerprint = Fingerprint::of_request(parts.method.as_str(), route, &body);
 
-    if key.is_expired(&config.ttl, shared.clock.now()) {
+    if key.is_future_dated(shared.clock.now()) {
+        let problem = layer_problem(ProblemKind::IdempotencyKeyFutureDated, StatusCode::UNPROCESSABLE_ENTITY).detail(
+            "this UUID v7 Idempotency-Key carries a creation time in the future: the client's clock is wrong; \
+             nothing was executed or stored — mint keys from a correct clock",
+        );
+        return tagged(problem.into_response(), "rejected_input");
+    }
+    // An old key is refused only when its record is gone (looked up below): a late first send of a key
+    // whose request did run replays.
+    let expired = key.is_expired(&config.ttl, shared.clock.now());
+    let refuse_expired = || {
         let problem = layer_problem(ProblemKind::IdempotencyKeyExpired, StatusCode::UNPROCESSABLE_ENTITY).detail(
             "this UUID v7 Idempotency-Key was created longer ago than idempotency records are kept: its first \
              request may have run and been forgotten, so it is not executed again; if the operation is still \
              wanted, check its outcome first, then send it under a new key",
         );
-        return tagged(problem.into_response(), "rejected_input");
-    }
+        tagged(problem.into_response(), "rejected_input")
+    };
     // One wait budget for both: the in-process wait for a leader of this key, then the database claim.
     let deadline = tokio::time::Instant::now() + config.wait;
     let Some(_leader) = shared.in_flight.lead((scope.clone(), key.as_str().to_owned()), deadline).await else {
@@ -474,9 +484,19 @@ where
         key: key.as_str().to_owned(),
         command_hash: *fingerprint.as_bytes(),
         created_at: now,
-        expires_at: config.ttl.expires_at(now),
+        // a key dated ahead (within the margin) is accepted until its own time + TTL: its record lives as long
+        expires_at: config.ttl.retain_until(now, key.first_sent()),
     };
-    match uow.idempotency().claim(&claim, now, claim_wait).await {
+    let outcome = if expired {
+        match uow.idempotency().get(&claim.scope, &claim.key).await {
+            Ok(Some(record)) if record.expires_at > now => Ok(ClaimOutcome::Existing(record)),
+            Ok(_) => return refuse_expired(),
+            Err(e) => Err(e),
+        }
+    } else {
+        uow.idempotency().claim(&claim, now, claim_wait).await
+    };
+    match outcome {
         Ok(ClaimOutcome::Claimed) => execute(&shared, inner, parts, body, uow, Some(claim)).await,
         Ok(ClaimOutcome::Existing(record)) => match decide(Some(&record), &fingerprint, now) {
             Decision::Replay(stored) => {

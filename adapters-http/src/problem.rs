@@ -20,6 +20,8 @@ pub enum ProblemKind {
     IdempotencyKeyReused,
     /// 422: a UUID v7 key older than the retention.
     IdempotencyKeyExpired,
+    /// 422: a UUID v7 Idempotency-Key dated further ahead than clocks drift.
+    IdempotencyKeyFutureDated,
     /// 409: a request with the key is in flight.
     RequestInFlight,
     /// 503: the database is unreachable.
@@ -54,12 +56,13 @@ pub enum ProblemKind {
 
 impl ProblemKind {
     /// Every kind (the API document lists their type URIs).
-    pub const ALL: [Self; 20] = [
+    pub const ALL: [Self; 21] = [
         Self::Unauthorized,
         Self::IdempotencyKeyMissing,
         Self::IdempotencyKeyInvalid,
         Self::IdempotencyKeyReused,
         Self::IdempotencyKeyExpired,
+        Self::IdempotencyKeyFutureDated,
         Self::RequestInFlight,
         Self::StoreUnavailable,
         Self::OutcomeUnknown,
@@ -85,6 +88,7 @@ impl ProblemKind {
             Self::IdempotencyKeyInvalid => "urn:idem:problem:idempotency-key-invalid",
             Self::IdempotencyKeyReused => "urn:idem:problem:idempotency-key-reused",
             Self::IdempotencyKeyExpired => "urn:idem:problem:idempotency-key-expired",
+            Self::IdempotencyKeyFutureDated => "urn:idem:problem:idempotency-key-future-dated",
             Self::RequestInFlight => "urn:idem:problem:request-in-flight",
             Self::StoreUnavailable => "urn:idem:problem:service-unavailable",
             Self::OutcomeUnknown => "urn:idem:problem:outcome-unknown",
@@ -110,6 +114,7 @@ impl ProblemKind {
             Self::IdempotencyKeyInvalid => "Idempotency-Key header is invalid",
             Self::IdempotencyKeyReused => "Idempotency-Key was already used with a different request",
             Self::IdempotencyKeyExpired => "Idempotency-Key is older than the retention of idempotency records",
+            Self::IdempotencyKeyFutureDated => "Idempotency-Key is dated in the future",
             Self::RequestInFlight => "A request with this Idempotency-Key is still being processed",
             Self::StoreUnavailable => "Service temporarily unavailable",
             Self::OutcomeUnknown => "The outcome of the request is unknown",

@@ -75,9 +75,19 @@ impl IdempotencyKey {
 
     /// Whether the key says it was created longer than `ttl` before `now`: its record, if any, may already
     /// have been cleaned up, so executing it could execute an operation twice. Such a request is refused.
+    /// The caller still looks the key's record up first: a record that is alive answers (a late first
+    /// send of an old key whose request did run is replayed, not refused).
     pub fn is_expired(&self, ttl: &crate::TtlPolicy, now: DateTime<Utc>) -> bool {
         let ttl = chrono::Duration::from_std(ttl.ttl()).unwrap_or(chrono::Duration::hours(72));
         self.first_sent().is_some_and(|t| t < now - ttl)
+    }
+
+    /// Whether the key says it was created further ahead of `now` than clocks drift
+    /// ([`crate::ADMISSION_MARGIN`]): a key minted hours ahead would stay acceptable hours after its
+    /// record expired, so it is refused (nothing stored).
+    pub fn is_future_dated(&self, now: DateTime<Utc>) -> bool {
+        let margin = chrono::Duration::from_std(crate::ADMISSION_MARGIN).unwrap_or(chrono::Duration::hours(1));
+        self.first_sent().is_some_and(|t| t > now + margin)
     }
 }
 

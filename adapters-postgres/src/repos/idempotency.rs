@@ -24,7 +24,9 @@ impl IdempotencyRepository for PgUnitOfWork {
         wait: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
         // One round trip: bound the lock wait (set_config runs while the SELECT produces the row, before
-        // the insert can wait on a concurrent claim), then claim the key or take over an expired record.
+        // the insert can wait on a concurrent claim), then claim the key or take over an expired record, and
+        // once it is claimed put the session's own lock_timeout back (`set_config(…, NULL, true)` is `SET
+        // LOCAL … TO DEFAULT`): the handler's statements in this transaction wait on rows as they would anywhere.
         let claimed = sqlx::query_scalar!(
             r#"INSERT INTO idempotency_record AS r (scope, key, command_hash, state, created_at, expires_at)
                SELECT $1, $2, $3, 'in_flight', $4, $5
@@ -34,7 +36,7 @@ impl IdempotencyRepository for PgUnitOfWork {
                        response_headers = NULL, response_body = NULL,
                        created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
                    WHERE r.expires_at <= $6
-               RETURNING 1 AS "one!""#,
+               RETURNING set_config('lock_timeout', NULL, true) IS NOT NULL AS "reset!""#,
             c.scope,
             c.key,
             &c.command_hash[..],

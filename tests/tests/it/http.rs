@@ -271,10 +271,15 @@ async fn refunds_and_reads() -> anyhow::Result<()> {
     assert_eq!(r1.json()["payment_status"], "partially_refunded");
     let replay = api.post(&path, KEY_A, Some("rf-1"), r#"{"amount":"4.00","reason":"damaged"}"#).await?;
     assert_eq!(replay.body, r1.body);
-    let too_much = api.post(&path, KEY_A, Some("rf-2"), r#"{"amount":"6.01"}"#).await?;
+    // issue 24.8: a refund finer than the currency is refused without burning its key
+    let finer = api.post(&path, KEY_A, Some("rf-finer"), r#"{"amount":"0.001"}"#).await?;
+    assert_eq!(finer.problem_type(), "urn:idem:problem:amount-finer-than-currency");
+    let corrected = api.post(&path, KEY_A, Some("rf-finer"), r#"{"amount":"0.01"}"#).await?;
+    assert_eq!(corrected.status, 201, "the key was burnt: {}", String::from_utf8_lossy(&corrected.body));
+    let too_much = api.post(&path, KEY_A, Some("rf-2"), r#"{"amount":"6.00"}"#).await?;
     assert_eq!(too_much.status, 409, "more than is left to refund conflicts with the payment's state");
     assert_eq!(too_much.problem_type(), "urn:idem:problem:refund-exceeds-captured");
-    let rest = api.post(&path, KEY_A, Some("rf-3"), r#"{"amount":"6"}"#).await?;
+    let rest = api.post(&path, KEY_A, Some("rf-3"), r#"{"amount":"5.99"}"#).await?;
     assert_eq!(rest.json()["payment_status"], "refunded");
     let unknown =
         api.post(&format!("/payments/{}/refund", Uuid::now_v7()), KEY_A, Some("rf-4"), r#"{"amount":"1"}"#).await?;
@@ -283,7 +288,7 @@ async fn refunds_and_reads() -> anyhow::Result<()> {
     assert_eq!(other_merchant.status, 404);
     let got = api.get(&format!("/payments/{id}"), KEY_A).await?;
     assert_eq!((got.status, got.json()["refunded_amount"].clone()), (200, json!("10.00")));
-    assert_eq!(api.db.count("refund").await?, 2);
+    assert_eq!(api.db.count("refund").await?, 3);
     Ok(())
 }
 
@@ -890,5 +895,56 @@ async fn waiting_duplicates_hold_no_connection() -> anyhow::Result<()> {
     }
     assert_eq!(ids.len(), 1);
     assert_eq!(api.db.count("payment").await?, 1);
+    Ok(())
+}
+
+/// Issue 24.6: the v7 key-age rule. A key minted hours ahead is refused (it would stay acceptable after its
+/// record expired); one a little ahead keeps its record until its own time + TTL; and an old key whose
+/// record is still alive (its first send came late) replays instead of being refused.
+#[tokio::test]
+async fn the_key_age_rule_looks_the_record_up_and_refuses_keys_from_the_future() -> anyhow::Result<()> {
+    use idem_tests::effects::ShiftedClock;
+    let db = TestDb::new().await?;
+    let clock = Arc::new(ShiftedClock::new());
+    let tm: Arc<dyn TransactionManager> = Arc::new(db.store.clone());
+    let layer = IdempotencyLayer::new(tm, clock.clone(), layer_config(StatusCode::CONFLICT));
+    let router = idem_http::router(api_state(&db.store), keys(), layer);
+    let api = Api { db: db.clone(), base: idem_tests::serve(router).await?, http: reqwest::Client::new() };
+    let now = chrono::Utc::now();
+
+    let ahead = idem_tests::v7_at(now + chrono::Duration::hours(2)).to_string();
+    let refused = api.charge(KEY_A, &ahead, &charge_body("pi_ahead", "1.00")).await?;
+    assert_eq!(refused.status, 422);
+    assert_eq!(refused.problem_type(), "urn:idem:problem:idempotency-key-future-dated");
+    assert_eq!(db.count("idempotency_record").await?, 0, "a refused key stored a record");
+
+    let near = idem_tests::v7_at(now + chrono::Duration::minutes(30));
+    let ok = api.charge(KEY_A, &near.to_string(), &charge_body("pi_near", "1.00")).await?;
+    assert_eq!(ok.status, 201);
+    let expires: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT expires_at FROM idempotency_record WHERE key = $1")
+            .bind(near.to_string())
+            .fetch_one(db.pool())
+            .await?;
+    let key_time = idem_domain::uuid_v7_time(near).expect("v7");
+    assert!(
+        expires >= key_time + chrono::Duration::hours(48),
+        "the record expires before the key stops being accepted"
+    );
+
+    // first sent 47 h after it was minted, retried 2 h later: the record is alive, so the retry replays
+    let late = idem_tests::v7_at(now - chrono::Duration::hours(47)).to_string();
+    let body = charge_body("pi_late", "1.00");
+    let first = api.charge(KEY_A, &late, &body).await?;
+    assert_eq!(first.status, 201);
+    clock.advance(chrono::Duration::hours(2));
+    let retry = api.charge(KEY_A, &late, &body).await?;
+    assert_eq!(retry.status, 201, "a live record was refused as expired: {}", String::from_utf8_lossy(&retry.body));
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.body, first.body);
+    // an old key without a record is still refused
+    let gone = idem_tests::v7_at(now - chrono::Duration::hours(60)).to_string();
+    let refused = api.charge(KEY_A, &gone, &charge_body("pi_gone", "1.00")).await?;
+    assert_eq!(refused.problem_type(), "urn:idem:problem:idempotency-key-expired");
     Ok(())
 }

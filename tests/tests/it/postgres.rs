@@ -407,3 +407,41 @@ async fn a_commit_after_a_swallowed_error_fails_instead_of_reporting_success() -
     assert_eq!(db.count("app_effect").await?, 1);
     Ok(())
 }
+
+/// Issue 24.8: the claim bounds its own lock wait (down to 100 ms), and that bound must not stay on the
+/// handler's statements in the same transaction: ordinary row contention there is waited out, not a 503.
+#[tokio::test]
+async fn the_claims_lock_timeout_does_not_bound_the_handlers_statements() -> anyhow::Result<()> {
+    use idem_ports::IdempotencyClaim;
+    use idem_postgres::PgUnitOfWork;
+
+    let db = TestDb::new().await?;
+    sqlx::raw_sql("CREATE TABLE stock (sku text PRIMARY KEY, n int); INSERT INTO stock VALUES ('a', 10)")
+        .execute(db.pool())
+        .await?;
+    // another transaction holds the row for 400 ms
+    let mut holder = db.pool().begin().await?;
+    sqlx::query("UPDATE stock SET n = n - 1 WHERE sku = 'a'").execute(&mut *holder).await?;
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        holder.commit().await
+    });
+    let now = Utc::now();
+    let claim = IdempotencyClaim {
+        scope: "m".into(),
+        key: "k".into(),
+        command_hash: [7; 32],
+        created_at: now,
+        expires_at: now + chrono::Duration::hours(24),
+    };
+    let mut uow = db.store.begin().await?;
+    uow.idempotency().claim(&claim, now, Duration::from_millis(100)).await?;
+    let pg = PgUnitOfWork::of(uow.as_mut())?;
+    let waited = sqlx::query("UPDATE stock SET n = n - 1 WHERE sku = 'a'").execute(pg.connection()).await;
+    assert!(waited.is_ok(), "the handler's row wait was cut by the claim's lock_timeout: {waited:?}");
+    uow.commit().await?;
+    release.await??;
+    let n: i32 = sqlx::query_scalar("SELECT n FROM stock").fetch_one(db.pool()).await?;
+    assert_eq!(n, 8);
+    Ok(())
+}
