@@ -119,11 +119,20 @@ pub struct CleanupSettings {
     pub max_batches: u32,
     /// Pause between batches, leaving room to the traffic.
     pub pause: Duration,
+    /// Largest difference between this host's clock and the database's at which a round still runs (the
+    /// domain's `ADMISSION_MARGIN`, 1 h: the skew every age rule already tolerates).
+    pub max_clock_skew: Duration,
 }
 
 impl Default for CleanupSettings {
     fn default() -> Self {
-        Self { partitions: None, batch_size: 5_000, max_batches: 10_000, pause: Duration::from_millis(5) }
+        Self {
+            partitions: None,
+            batch_size: 5_000,
+            max_batches: 10_000,
+            pause: Duration::from_millis(5),
+            max_clock_skew: Duration::from_secs(3600),
+        }
     }
 }
 
@@ -237,8 +246,15 @@ impl Cleaner {
         self.stats.clone()
     }
 
-    /// One round at time `now`. `Ok(None)` when another instance holds the cleaner lock.
-    pub async fn run_once(&self, now: DateTime<Utc>) -> Result<Option<CleanupReport>, StoreError> {
+    /// One round. `Ok(None)` when another instance holds the cleaner lock.
+    ///
+    /// Deleting by expiry is irreversible, so the round decides by the **database's** clock, never this
+    /// host's: every instance's rows are judged by one clock. `local_now` is this host's clock; when it
+    /// differs from the database's by more than `max_clock_skew` the round is refused
+    /// ([`StoreError::Other`] naming the skew): a host whose clock is wrong is also minting wrong expiries,
+    /// and its operator must know. (A host two days ahead used to empty `idempotency_record` and drop live
+    /// dedup partitions.)
+    pub async fn run_once(&self, local_now: DateTime<Utc>) -> Result<Option<CleanupReport>, StoreError> {
         // The lock's transaction stays open (idle) for the round: exempt it, in this transaction only, from
         // the sessions' idle-in-transaction timeout.
         let mut lock = self.store.pool().begin().await.map_err(map_sqlx_error)?;
@@ -254,6 +270,20 @@ impl Cleaner {
         if !locked {
             self.stats.skipped_rounds.inc();
             return Ok(None);
+        }
+        let now: DateTime<Utc> =
+            sqlx::query_scalar("SELECT statement_timestamp()").fetch_one(&mut *lock).await.map_err(map_sqlx_error)?;
+        let skew = (local_now - now).abs();
+        let margin = chrono::Duration::from_std(self.settings.max_clock_skew).unwrap_or(chrono::Duration::hours(1));
+        if skew > margin {
+            return Err(StoreError::Other(format!(
+                "refusing to clean up: this host's clock ({}) differs from the database's ({}) by {} s, more than \
+                 the {} s margin; fix the host's time (NTP) first",
+                local_now.to_rfc3339(),
+                now.to_rfc3339(),
+                skew.num_seconds(),
+                margin.num_seconds()
+            )));
         }
         let result = async {
             let mut conn = self.store.pool().acquire().await.map_err(map_sqlx_error)?;

@@ -113,7 +113,11 @@ async fn cleanup_once(args: CleanupArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.once, "idem cleanup needs --once (idem serve runs the periodic cleaner)");
     let store = connect(&args.db).await?;
     store.migrate().await.context("applying migrations")?;
-    let settings = CleanupSettings { batch_size: args.batch_size, ..CleanupSettings::default() };
+    let settings = CleanupSettings {
+        batch_size: args.batch_size,
+        max_clock_skew: idem_domain::ADMISSION_MARGIN,
+        ..CleanupSettings::default()
+    };
     let now = SystemClock.now();
     let expired = store.expired_rows(now).await?;
     let cleaner = Cleaner::new(store.clone(), settings);

@@ -165,7 +165,10 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // TTL cleanup
     let partitions = (args.dedup_storage == DedupStorageArg::Partitioned)
         .then(|| PartitionPolicy { ttl: args.dedup_ttl.ttl(), days_ahead: 3 });
-    let cleaner = Cleaner::new(bg_store.clone(), CleanupSettings { partitions, ..CleanupSettings::default() });
+    let cleaner = Cleaner::new(
+        bg_store.clone(),
+        CleanupSettings { partitions, max_clock_skew: idem_domain::ADMISSION_MARGIN, ..CleanupSettings::default() },
+    );
     let cleanup_stats = cleaner.stats();
     cleanup_stats.register(&mut registry);
     let (token, interval) = (shutdown.clone(), args.cleanup_interval);

@@ -79,7 +79,21 @@ impl Service {
     #[allow(dead_code)] // used by the ops tests, which share this harness
     /// `idem <args>` with this service's environment (database, broker, topics, group), run to the end.
     pub fn idem(&self, args: &[&str]) -> anyhow::Result<std::process::Output> {
-        let mut cmd = Command::new(idem_bin());
+        self.idem_with_clock(None, args)
+    }
+
+    #[allow(dead_code)] // used by the ops tests, which share this harness
+    /// `idem <args>` under Debian's `faketime -f <shift>` (for example `+2d`): the process's wall clock is
+    /// moved, its monotonic clock is not.
+    pub fn idem_with_clock(&self, shift: Option<&str>, args: &[&str]) -> anyhow::Result<std::process::Output> {
+        let mut cmd = match shift {
+            Some(shift) => {
+                let mut c = Command::new("faketime");
+                c.args(["-f", shift]).arg(idem_bin()).env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+                c
+            }
+            None => Command::new(idem_bin()),
+        };
         cmd.args(args).env("RUST_LOG", "warn");
         for (k, v) in &self.env {
             cmd.env(k, v);

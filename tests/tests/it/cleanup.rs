@@ -40,7 +40,8 @@ async fn expired_rows_go_live_rows_stay_in_bounded_batches() -> anyhow::Result<(
         .execute(db.pool())
         .await?;
 
-    let settings = CleanupSettings { batch_size: 100, max_batches: 2, pause: Duration::ZERO, partitions: None };
+    let settings =
+        CleanupSettings { batch_size: 100, max_batches: 2, pause: Duration::ZERO, ..CleanupSettings::default() };
     let cleaner = Cleaner::new(db.store.clone(), settings);
     let first = cleaner.run_once(now).await?.expect("lock free");
     for (table, n) in &first.deleted {
@@ -204,5 +205,36 @@ async fn partition_maintenance_does_not_churn() -> anyhow::Result<()> {
             .await?;
         assert_eq!(advisory, 0, "an advisory lock outlived the round");
     }
+    Ok(())
+}
+
+/// Issue 24.6: cleanup decides by the database's clock. A round started on a host whose clock is two days
+/// ahead is refused, naming the skew, and every live row stays (it used to delete every record expiring
+/// within the two days).
+#[tokio::test]
+async fn a_host_clock_far_ahead_cannot_clean_up_live_rows() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let now = Utc::now();
+    for (i, hours) in [1i64, 30].into_iter().enumerate() {
+        sqlx::query(
+            "INSERT INTO idempotency_record (scope, key, command_hash, state, status_code, response_body, created_at, expires_at)
+             VALUES ('m', $1, $4, 'completed', 201, '', $2, $3)",
+        )
+        .bind(format!("live-{i}"))
+        .bind(now)
+        .bind(now + chrono::Duration::hours(hours))
+        .bind(vec![0u8; 32])
+        .execute(db.pool())
+        .await?;
+    }
+    let cleaner = Cleaner::new(db.store.clone(), CleanupSettings::default());
+    let refused = cleaner.run_once(now + chrono::Duration::days(2)).await;
+    let error = refused.expect_err("a round from a clock two days ahead ran");
+    assert!(error.to_string().contains("differs from the database's"), "{error}");
+    assert_eq!(db.count("idempotency_record").await?, 2, "live records were deleted");
+    // a host within the margin cleans by the database's clock: nothing here has expired yet
+    let report = cleaner.run_once(now + chrono::Duration::minutes(30)).await?.expect("lock free");
+    assert!(report.deleted.iter().all(|(_, n)| *n == 0), "{:?}", report.deleted);
+    assert_eq!(db.count("idempotency_record").await?, 2);
     Ok(())
 }

@@ -251,6 +251,28 @@ async fn forged_dead_letter_headers_cannot_redirect_a_redrive() -> anyhow::Resul
     Ok(())
 }
 
+/// Issue 24.6 through the real binary: `idem cleanup --once` from a host whose clock is two days ahead
+/// (Debian's `faketime`) refuses, naming the skew, and the live idempotency record stays.
+#[tokio::test]
+async fn cleanup_from_a_host_clock_two_days_ahead_deletes_nothing() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&db.url, &brokers);
+    service.start().await?;
+    let key = idem_http::client::IdemClient::new_key();
+    let reply = service.client().charge(&key, &charge_request("pi_ops_skew")).await?;
+    assert_eq!(reply.status, 201);
+    let out = service.idem_with_clock(Some("+2d"), &["cleanup", "--once"])?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a cleanup from a clock two days ahead ran: {stderr}");
+    assert!(stderr.contains("differs from the database's"), "{stderr}");
+    assert_eq!(db.count("idempotency_record").await?, 1, "the live record was deleted");
+    let ok = service.idem(&["cleanup", "--once"])?;
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    assert_eq!(db.count("idempotency_record").await?, 1);
+    Ok(())
+}
+
 /// A poison row is listed as quarantined with its attempts and error; `retry` releases it.
 #[tokio::test]
 async fn quarantined_outbox_rows_are_listed_and_retried() -> anyhow::Result<()> {
