@@ -89,6 +89,11 @@ impl ApiKeys {
         self
     }
 
+    /// Whether `merchant` has a key here.
+    pub fn has_merchant(&self, merchant: &str) -> bool {
+        self.by_digest.values().any(|m| &*m.0 == merchant)
+    }
+
     /// Whether no key is configured.
     pub fn is_empty(&self) -> bool {
         self.by_digest.is_empty()

@@ -44,7 +44,7 @@ fn parse_vacuum_interval(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-fn parse_ttl(s: &str) -> Result<TtlPolicy, String> {
+pub(crate) fn parse_ttl(s: &str) -> Result<TtlPolicy, String> {
     TtlPolicy::new(parse_duration(s)?).map_err(|e| e.to_string())
 }
 
@@ -257,6 +257,15 @@ impl ServeArgs {
                 || !t.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
         }) {
             return Err("topic names must be 1-249 characters of a-z, A-Z, 0-9, '.', '_' or '-'".into());
+        }
+        if self.api_keys.has_merchant(&self.orders_merchant_id) {
+            // Payments from order events and an API merchant's would share one key scope and one set of
+            // provider payment ids, and order cancellations would refund that merchant's payments.
+            return Err(format!(
+                "ORDERS_MERCHANT_ID '{}' is also an API merchant in IDEM_API_KEYS: payments created from order \
+                 events must belong to a merchant of their own",
+                self.orders_merchant_id
+            ));
         }
         if self.orders.orders_topic == self.kafka.payments_topic {
             return Err("KAFKA_ORDERS_TOPIC and KAFKA_PAYMENTS_TOPIC must differ".into());

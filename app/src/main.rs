@@ -209,6 +209,14 @@ mod tests {
         assert!(err.contains(message), "{extra:?}: expected {message:?} in {err}");
     }
 
+    /// Issue 24.8: the merchant of order-event payments may not be an API merchant.
+    #[test]
+    fn the_orders_merchant_cannot_be_an_api_merchant() {
+        refused(&["--api-keys", "orders:key_0123456789"], "ORDERS_MERCHANT_ID 'orders' is also an API merchant");
+        refused(&["--orders-merchant-id", "m"], "is also an API merchant");
+        assert!(serve_with(&["--orders-merchant-id", "shop-orders"]).is_ok());
+    }
+
     /// Each default has one source: the library's settings. The CLI's defaults (shown by `--help`) must be
     /// the same values, or one of them drifted.
     #[test]

@@ -152,6 +152,10 @@ pub struct OutboxRetryArgs {
     /// Outbox row ids.
     #[arg(required = true)]
     pub ids: Vec<Uuid>,
+    /// The receivers' dedup retention: a row whose `event_id` is older than it less 1 h is refused by
+    /// every idem receiver (`older-than-dedup-window`), and `retry` warns about it.
+    #[arg(long, env = "DEDUP_TTL", default_value = "72h", value_parser = crate::config::parse_ttl)]
+    pub dedup_ttl: idem_domain::TtlPolicy,
     #[arg(long)]
     pub json: bool,
 }
@@ -553,12 +557,27 @@ pub async fn outbox(command: OutboxCommand) -> anyhow::Result<()> {
             let store = crate::connect(&args.db).await?;
             let released = store.retry_outbox(&args.ids).await?;
             let missing: Vec<&Uuid> = args.ids.iter().filter(|id| !released.contains(id)).collect();
+            // its event_id carries its commit time: past the receivers' admission floor it is dead-lettered
+            let now = SystemClock.now();
+            let too_old: Vec<&Uuid> = released
+                .iter()
+                .filter(|id| {
+                    args.dedup_ttl.admission(now, idem_domain::uuid_v7_time(**id)) == idem_domain::Admission::TooOld
+                })
+                .collect();
             if args.json {
-                print_json(&json!({"released": released, "not_found_or_published": missing}));
+                print_json(
+                    &json!({"released": released, "not_found_or_published": missing, "older_than_dedup_window": too_old}),
+                );
             } else {
                 say(&format!("released {} rows for new attempts", released.len()));
                 for id in &missing {
                     say(&format!("  {id}: not found or already published"));
+                }
+                for id in &too_old {
+                    say(&format!(
+                        "  warning: {id} was committed longer ago than DEDUP_TTL less 1 h: idem receivers will dead-letter it as older-than-dedup-window (re-drive it there with --admit-late if it must be applied)"
+                    ));
                 }
             }
             anyhow::ensure!(missing.is_empty(), "{} ids were not unpublished outbox rows", missing.len());

@@ -518,6 +518,11 @@ impl Runner {
                 return false;
             }
         }
+        // every message of the batch is applied or dead-lettered now: its rejection count is done with
+        for m in batch {
+            rejections.remove(&(m.partition, m.offset));
+        }
+        self.stats.retrying.set(rejections.len() as i64);
         true
     }
 

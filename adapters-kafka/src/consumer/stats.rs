@@ -23,6 +23,9 @@ pub struct ConsumerStats {
     pub kafka_errors: Counter,
     /// Messages behind the partitions' high watermarks, from librdkafka's statistics (every 5 s).
     pub lag: Gauge,
+    /// Events a rule refused that wait for another attempt (their rejection counts are kept until the
+    /// event is applied or dead-lettered, never longer).
+    pub retrying: Gauge,
 }
 
 impl ConsumerStats {
@@ -45,5 +48,10 @@ impl ConsumerStats {
             self.kafka_errors.clone(),
         );
         r.register("lag_messages", "Consumer lag summed over assigned partitions", self.lag.clone());
+        r.register(
+            "events_retrying",
+            "Events refused by a rule that wait for another attempt before the dead-letter topic",
+            self.retrying.clone(),
+        );
     }
 }

@@ -60,7 +60,7 @@ impl Service {
             ("KAFKA_GROUP_ID".into(), group.clone()),
             ("KAFKA_SESSION_TIMEOUT".into(), "6s".into()),
             ("KAFKA_TOPIC_PARTITIONS".into(), "3".into()),
-            ("ORDERS_MERCHANT_ID".into(), "faults".into()),
+            ("ORDERS_MERCHANT_ID".into(), "faults-orders".into()),
             ("OUTBOX_POLL_INTERVAL".into(), "200ms".into()),
             ("DATABASE_MAX_CONNECTIONS".into(), "20".into()),
             ("RUST_LOG".into(), "warn".into()),

@@ -715,3 +715,42 @@ mod effects {
         Ok(())
     }
 }
+
+/// Issue 24.8: the per-event rejection counts only grew (an event refused once and applied on its retry
+/// kept its entry for the life of the process). They are dropped once the event is applied.
+#[tokio::test]
+async fn rejection_counts_are_forgotten_once_the_event_is_applied() -> anyhow::Result<()> {
+    use idem_ports::{EventHandler, HandlerError, InboundEvent, UnitOfWork};
+    use std::sync::Mutex;
+
+    /// Refuses each event's first attempt, applies the second.
+    #[derive(Default)]
+    struct RefusesOnce(Mutex<std::collections::HashSet<Uuid>>);
+    #[async_trait::async_trait]
+    impl EventHandler for RefusesOnce {
+        async fn handle(&self, _uow: &mut dyn UnitOfWork, event: &InboundEvent) -> Result<(), HandlerError> {
+            if self.0.lock().unwrap_or_else(|p| p.into_inner()).insert(event.event_id) {
+                return Err(HandlerError::Rejected("not yet".into()));
+            }
+            Ok(())
+        }
+    }
+    let (db, brokers, topic) = setup(1).await?;
+    let p = producer(&brokers)?;
+    for _ in 0..5 {
+        send(&p, &topic, Uuid::now_v7(), Uuid::now_v7(), b"{}").await?;
+    }
+    let mut s = settings(&brokers, &unique_topic("g"), &topic, 1);
+    s.max_rejections = 3;
+    let runner = Runner::new(s, Arc::new(db.store.clone()), Arc::new(SystemClock), Arc::new(RefusesOnce::default()));
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone()));
+    let done = eventually(Duration::from_secs(60), || async { Ok(stats.processed.get() >= 5) }).await?;
+    stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(20), task).await;
+    assert!(done, "the events were not applied on their retry");
+    assert_eq!(stats.dead_lettered.get(), 0);
+    assert_eq!(stats.retrying.get(), 0, "rejection counts of applied events were kept");
+    Ok(())
+}

@@ -303,6 +303,7 @@ async fn quarantined_outbox_rows_are_listed_and_retried() -> anyhow::Result<()> 
 
     let retried = idem_json(&service, &["outbox", "retry", &poison.to_string()])?;
     assert_eq!(retried["released"], json!([poison.to_string()]), "{retried}");
+    assert_eq!(retried["older_than_dedup_window"], json!([]), "{retried}");
     let requarantined = eventually(Duration::from_secs(30), || async {
         let n: i64 =
             sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE id = $1 AND quarantined_at IS NOT NULL")
@@ -313,6 +314,25 @@ async fn quarantined_outbox_rows_are_listed_and_retried() -> anyhow::Result<()> 
     })
     .await?;
     assert!(requarantined, "the released row was not attempted again");
+    // issue 24.8: a row committed 80 h ago would be refused by every receiver: retry says so
+    let (old, old_too) = (
+        idem_tests::v7_at(chrono::Utc::now() - chrono::Duration::hours(80)),
+        idem_tests::v7_at(chrono::Utc::now() - chrono::Duration::hours(81)),
+    );
+    for id in [old, old_too] {
+        sqlx::query(
+            "INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, headers, created_at, quarantined_at)
+             VALUES ($1, $2, 'payment', $1::text, 'PaymentCaptured', '{}', '{}', now() - interval '80 hours', now())",
+        )
+        .bind(id)
+        .bind(&service.payments_topic)
+        .execute(db.pool())
+        .await?;
+    }
+    let warned = idem_json(&service, &["outbox", "retry", &old.to_string()])?;
+    assert_eq!(warned["older_than_dedup_window"], json!([old.to_string()]), "{warned}");
+    let text = service.idem(&["outbox", "retry", &old_too.to_string()])?;
+    assert!(String::from_utf8_lossy(&text.stdout).contains("older-than-dedup-window"));
     // an unknown id is reported and fails the command
     let out = service.idem(&["outbox", "retry", &Uuid::now_v7().to_string()])?;
     assert!(!out.status.success());
