@@ -193,6 +193,32 @@ impl PgStore {
         .map_err(map_sqlx_error)
     }
 
+    /// The recorded value of each setting in `idem_setting` (see the migration): `(value, previous,
+    /// changed_at)` by name.
+    pub async fn settings(&self) -> Result<Vec<RecordedSetting>, StoreError> {
+        sqlx::query_as!(RecordedSetting, "SELECT name, value, previous, changed_at FROM idem_setting ORDER BY name")
+            .fetch_all(self.pool())
+            .await
+            .map_err(map_sqlx_error)
+    }
+
+    /// Records a setting's value (and what it replaced, when it changed).
+    pub async fn record_setting(&self, setting: &RecordedSetting) -> Result<(), StoreError> {
+        sqlx::query!(
+            "INSERT INTO idem_setting (name, value, previous, changed_at) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value, previous = EXCLUDED.previous,
+                 changed_at = EXCLUDED.changed_at",
+            setting.name,
+            setting.value,
+            setting.previous,
+            setting.changed_at,
+        )
+        .execute(self.pool())
+        .await
+        .map(|_| ())
+        .map_err(map_sqlx_error)
+    }
+
     /// Whether `consumer` holds a processed-event row for `event_id` in either dedup storage (a late
     /// re-drive of such an event would be a duplicate: the consumer records the row for late admissions
     /// too, so it would not apply it).
@@ -280,4 +306,17 @@ impl PgStore {
         .map_err(map_sqlx_error)?;
         Ok(())
     }
+}
+
+/// A row of `idem_setting`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordedSetting {
+    /// `dedup_storage/<group>`, `dedup_ttl/<group>`, `consumer_group/<topic>`, `idempotency_ttl`.
+    pub name: String,
+    /// Its value at the last start.
+    pub value: String,
+    /// The value it replaced, when the last change is one whose effects still matter.
+    pub previous: Option<String>,
+    /// When it took this value.
+    pub changed_at: chrono::DateTime<chrono::Utc>,
 }

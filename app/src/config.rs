@@ -204,6 +204,10 @@ pub struct ServeArgs {
     /// event id's UUID v7 time, dropped whole when expired; needs v7 event ids).
     #[arg(long, env = "DEDUP_STORAGE", value_enum, default_value = "table")]
     pub dedup_storage: DedupStorageArg,
+    /// Setting changes accepted deliberately although they re-open processed events (`dedup-storage`,
+    /// `consumer-group`; comma-separated). Without it `serve` refuses them (README, "Changing settings").
+    #[arg(long, env = "IDEM_ACCEPT_SETTING_CHANGE", value_delimiter = ',')]
+    pub accept_setting_change: Vec<String>,
     /// How often expired rows are deleted.
     #[arg(long, env = "CLEANUP_INTERVAL", default_value = "6h", value_parser = parse_duration)]
     pub cleanup_interval: Duration,

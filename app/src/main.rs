@@ -3,6 +3,7 @@
 
 mod config;
 mod demo;
+mod guard;
 mod operate;
 mod ops;
 mod serve;

@@ -77,6 +77,18 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     });
     store.migrate().await.context("applying migrations")?;
     tracing::info!("migrations applied");
+    let wanted = crate::guard::Wanted {
+        group: &args.orders.group_id,
+        topic: &args.orders.orders_topic,
+        dedup_storage: match args.dedup_storage {
+            DedupStorageArg::Table => "table",
+            DedupStorageArg::Partitioned => "partitioned",
+        },
+        dedup_ttl: args.dedup_ttl,
+        idempotency_ttl: args.idempotency_ttl,
+        accept: &args.accept_setting_change,
+    };
+    let checked = crate::guard::check(&store, &wanted, SystemClock.now()).await?;
     // A second pool for background work (consumer, relay, cleaner, readiness): neither side can take the
     // other's connections. It shares the outbox signal, so HTTP commits wake the relay at once.
     let background = DbArgs { database_max_connections: args.background_connections, ..args.db.clone() };
@@ -107,7 +119,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ids: ids.clone(),
         payments_topic: args.kafka.payments_topic.as_str().into(),
     };
-    let mut idem_config = IdempotencyConfig::new(args.idempotency_ttl, idem_http::merchant_scope());
+    let mut idem_config = IdempotencyConfig::new(checked.idempotency_ttl, idem_http::merchant_scope());
     idem_config.wait = args.idempotency_wait;
     idem_config.conflict_status = match args.conflict_status {
         ConflictStatus::Conflict => StatusCode::CONFLICT,
@@ -127,7 +139,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         &args.kafka.kafka_brokers,
         &args.orders.group_id,
         &args.orders.orders_topic,
-        args.dedup_ttl,
+        checked.dedup_ttl,
     );
     settings.dlq_topic = dlq_topic.clone();
     settings.batch_size = args.batch_size as usize;

@@ -77,9 +77,10 @@ impl IdempotencyKey {
     /// have been cleaned up, so executing it could execute an operation twice. Such a request is refused.
     /// The caller still looks the key's record up first: a record that is alive answers (a late first
     /// send of an old key whose request did run is replayed, not refused).
+    /// During a raise of the retention the older limit still applies to keys that may have been recorded
+    /// before it ([`crate::TtlPolicy::key_floor`]).
     pub fn is_expired(&self, ttl: &crate::TtlPolicy, now: DateTime<Utc>) -> bool {
-        let ttl = chrono::Duration::from_std(ttl.ttl()).unwrap_or(chrono::Duration::hours(72));
-        self.first_sent().is_some_and(|t| t < now - ttl)
+        self.first_sent().is_some_and(|t| t < ttl.key_floor(now))
     }
 
     /// Whether the key says it was created further ahead of `now` than clocks drift

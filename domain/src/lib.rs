@@ -20,4 +20,4 @@ pub use events::{EventId, EventIdError, SagaStep, SagaStepError, uuid_v7_time};
 pub use idempotency::{Decision, Fingerprint, IdempotencyKey, IdempotencyKeyError, decide};
 pub use money::{Amount, Currency, Money, MoneyError, format_amount};
 pub use payment::{RefundPlan, RefundRuleError, plan_refund};
-pub use ttl::{ADMISSION_MARGIN, Admission, MAX_FUTURE_SKEW, TtlError, TtlPolicy, admission_ceiling};
+pub use ttl::{ADMISSION_MARGIN, Admission, MAX_FUTURE_SKEW, Raise, TtlError, TtlPolicy, admission_ceiling};

@@ -36,14 +36,59 @@ pub struct TtlError {
     pub got: Duration,
 }
 
-/// A retention of 24 h to 72 h.
+/// A retention of 24 h to 72 h, and the retention it was raised from, while rows written under that one
+/// may still be the only record of an event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TtlPolicy(Duration);
+pub struct TtlPolicy(Duration, Option<Raise>);
+
+/// A retention raised from `from` at `since`: rows and records written before kept `from`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Raise {
+    /// The retention before.
+    pub from: Duration,
+    /// When the larger one took effect.
+    pub since: DateTime<Utc>,
+}
+
+fn chrono(d: Duration) -> chrono::Duration {
+    // every duration here is bounded by the range check or the margins: it always converts
+    chrono::Duration::from_std(d).unwrap_or(chrono::Duration::hours(72))
+}
 
 impl TtlPolicy {
     /// A policy with `ttl`; refused outside 24–72 h.
     pub fn new(ttl: Duration) -> Result<Self, TtlError> {
-        if (MIN_TTL..=MAX_TTL).contains(&ttl) { Ok(Self(ttl)) } else { Err(TtlError { got: ttl }) }
+        if (MIN_TTL..=MAX_TTL).contains(&ttl) { Ok(Self(ttl, None)) } else { Err(TtlError { got: ttl }) }
+    }
+
+    /// This retention, raised at `since` from `from`. Rows written before `since` expire `from` after
+    /// they were written, so until none of them can matter the age rules keep `from`'s limits for the ids
+    /// dated before the raise (see [`TtlPolicy::admission_floor`]); new rows get the larger retention at
+    /// once. Raising the retention is then safe with no waiting; a lower or equal `from` is no raise.
+    pub fn raised_from(self, from: Duration, since: DateTime<Utc>) -> Self {
+        if from < self.0 { Self(self.0, Some(Raise { from, since })) } else { Self(self.0, None) }
+    }
+
+    /// The raise this policy is in, if any.
+    pub fn raise(&self) -> Option<Raise> {
+        self.1
+    }
+
+    /// Whether the raise (if any) still matters at `now`: ids dated before `since + MAX_FUTURE_SKEW` may
+    /// have rows written under the old retention until the larger floor passes that time.
+    pub fn in_transition(&self, now: DateTime<Utc>) -> bool {
+        self.1.is_some_and(|r| now - chrono(self.0) + chrono(ADMISSION_MARGIN) < r.since + chrono(MAX_FUTURE_SKEW))
+    }
+
+    /// The oldest id time (less `margin`) whose record may still exist at `now`: `now - ttl + margin`, and
+    /// during a raise, ids that may have been recorded before it (dated before `since + skew`) only
+    /// back to `now - from + margin`.
+    fn floor(&self, now: DateTime<Utc>, margin: Duration, skew: Duration) -> DateTime<Utc> {
+        let base = now - chrono(self.0) + chrono(margin);
+        match self.1 {
+            Some(r) => base.max((r.since + chrono(skew)).min(now - chrono(r.from) + chrono(margin))),
+            None => base,
+        }
     }
 
     /// The retention.
@@ -56,16 +101,25 @@ impl TtlPolicy {
     /// applied (it goes to the dead-letter topic as `older-than-dedup-window`). Every message admitted has
     /// a time after `now - ttl + ADMISSION_MARGIN`, and a row written for it is kept at least `ttl` after that
     /// time, so any later duplicate of it meets either its row or this floor.
+    ///
+    /// During a raise ([`TtlPolicy::raised_from`]) an id dated before `since + MAX_FUTURE_SKEW` may have been
+    /// processed before the raise, its row kept only `from`: such ids are admitted only down to
+    /// `now - from + margin`. Every other id was processed after the raise (the ceiling admits nothing dated
+    /// further ahead than the skew), under the larger retention.
     pub fn admission_floor(&self, now: DateTime<Utc>) -> DateTime<Utc> {
-        let ttl = chrono::Duration::from_std(self.0).unwrap_or(chrono::Duration::hours(72));
-        let margin = chrono::Duration::from_std(ADMISSION_MARGIN).unwrap_or(chrono::Duration::hours(1));
-        now - ttl + margin
+        self.floor(now, ADMISSION_MARGIN, MAX_FUTURE_SKEW)
+    }
+
+    /// The oldest creation time a UUID v7 `Idempotency-Key` may carry at `now` when its record is gone:
+    /// `now - ttl`, and during a raise, keys that may have been recorded before it (dated before
+    /// `since + ADMISSION_MARGIN`, the future skew keys may have) only back to `now - from`.
+    pub fn key_floor(&self, now: DateTime<Utc>) -> DateTime<Utc> {
+        self.floor(now, Duration::ZERO, ADMISSION_MARGIN)
     }
 
     /// When something created at `now` expires.
     pub fn expires_at(&self, now: DateTime<Utc>) -> DateTime<Utc> {
-        // The range check bounds the duration to 72 h, which always converts.
-        now + chrono::Duration::from_std(self.0).unwrap_or(chrono::Duration::hours(72))
+        now + chrono(self.0)
     }
 
     /// Whether a deduplicating receiver applies, at `now`, an event whose id carries `event_time` (`None`:
@@ -139,6 +193,29 @@ mod tests {
         assert_eq!(now - policy.admission_floor(now), chrono::Duration::hours(71));
     }
 
+    /// Issue 24.4: DEDUP_TTL raised from 24 h to 72 h. An event 23 h old processed just before the raise
+    /// has a row until 24 h after processing; 30 h later the plain 72 h floor admits it again, the raised
+    /// policy does not.
+    #[test]
+    fn a_raised_ttl_keeps_the_old_floor_for_ids_recorded_before_the_raise() {
+        let processed = DateTime::from_timestamp(1_700_000_000, 0).expect("valid");
+        let old = TtlPolicy::new(MIN_TTL).expect("valid");
+        let event_time = processed - chrono::Duration::hours(23) + chrono::Duration::minutes(30);
+        assert_eq!(old.admission(processed, Some(event_time)), Admission::Admitted);
+        let row_until = old.retain_until(processed, Some(event_time));
+        let duplicate_at = processed + chrono::Duration::hours(30);
+        assert!(duplicate_at > row_until);
+        let plain = TtlPolicy::new(MAX_TTL).expect("valid");
+        assert_eq!(plain.admission(duplicate_at, Some(event_time)), Admission::Admitted, "the hole");
+        let raised = plain.raised_from(MIN_TTL, processed + chrono::Duration::minutes(1));
+        assert_eq!(raised.admission(duplicate_at, Some(event_time)), Admission::TooOld);
+        // ids dated after the raise get the larger window at once
+        let later = processed + chrono::Duration::hours(26);
+        assert_eq!(raised.admission(later + chrono::Duration::hours(50), Some(later)), Admission::Admitted);
+        assert!(raised.in_transition(duplicate_at));
+        assert!(!raised.in_transition(processed + chrono::Duration::hours(24 + 72)));
+    }
+
     #[test]
     fn an_id_dated_ahead_is_retained_from_its_own_time() {
         let now = DateTime::from_timestamp(1_700_000_000, 0).expect("valid");
@@ -150,6 +227,33 @@ mod tests {
     }
 
     proptest! {
+        /// Raising the retention: a row written before the raise (old retention) is found by every
+        /// duplicate admitted after it, under the raised policy.
+        #[test]
+        fn a_raise_admits_no_duplicate_whose_row_had_the_old_retention(
+            old_h in 24i64..72,
+            raise_by_h in 1i64..=48,
+            event_offset_s in -(72 * 3600i64)..=(24 * 3600),
+            raise_after_s in 0i64..(80 * 3600),
+            later_s in 0i64..(250 * 3600),
+        ) {
+            let new_h = (old_h + raise_by_h).min(72);
+            prop_assume!(new_h > old_h);
+            let old = TtlPolicy::new(Duration::from_secs(old_h as u64 * 3600)).expect("in range");
+            let processed = DateTime::from_timestamp(1_700_000_000, 0).expect("valid");
+            let event_time = processed + chrono::Duration::seconds(event_offset_s);
+            prop_assume!(old.admission(processed, Some(event_time)) == Admission::Admitted);
+            let row_until = old.retain_until(processed, Some(event_time));
+            let since = processed + chrono::Duration::seconds(raise_after_s);
+            let raised = TtlPolicy::new(Duration::from_secs(new_h as u64 * 3600))
+                .expect("in range")
+                .raised_from(old.ttl(), since);
+            let duplicate_at = since + chrono::Duration::seconds(later_s);
+            if raised.admission(duplicate_at, Some(event_time)) == Admission::Admitted {
+                prop_assert!(duplicate_at < row_until, "admitted at {duplicate_at} after the row expired at {row_until}");
+            }
+        }
+
         /// Every duplicate admitted after an event was processed finds its row: admission ends before the
         /// row's expiry, whatever the event's time (inside the admitted range) and the duplicate's arrival.
         #[test]

@@ -273,6 +273,57 @@ async fn cleanup_from_a_host_clock_two_days_ahead_deletes_nothing() -> anyhow::R
     Ok(())
 }
 
+/// Issue 24.4: settings whose change would re-open processed events are recorded at start and checked at
+/// the next one. Switching DEDUP_STORAGE or renaming KAFKA_GROUP_ID is refused with what would be re-applied
+/// and how to proceed (and starts when accepted deliberately); a raised DEDUP_TTL starts, and an event dated
+/// between the old and the new window is still refused, as its row may have had the old retention.
+#[tokio::test]
+async fn settings_that_would_reopen_processed_events_are_refused_or_handled() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&db.url, &brokers).with_env("DEDUP_TTL", "24h");
+    service.start().await?;
+    service.terminate();
+
+    let mut switched = service.with_env("DEDUP_STORAGE", "partitioned");
+    let refused = switched.start().await.expect_err("a DEDUP_STORAGE switch started");
+    assert!(refused.to_string().contains("DEDUP_STORAGE changed from table to partitioned"), "{refused}");
+    assert!(refused.to_string().contains("IDEM_ACCEPT_SETTING_CHANGE=dedup-storage"), "{refused}");
+    let mut renamed = switched.with_env("DEDUP_STORAGE", "table").with_env("KAFKA_GROUP_ID", "renamed-group");
+    let refused = renamed.start().await.expect_err("a renamed group started");
+    assert!(refused.to_string().contains("KAFKA_GROUP_ID changed from"), "{refused}");
+    let mut accepted = renamed.with_env("IDEM_ACCEPT_SETTING_CHANGE", "consumer-group");
+    accepted.start().await?;
+    accepted.terminate();
+
+    // DEDUP_TTL raised from 24 h to 72 h: starts; an event 30 h old may have been processed under 24 h
+    let mut raised = accepted.with_env("DEDUP_TTL", "72h");
+    raised.start().await?;
+    let previous: Option<String> =
+        sqlx::query_scalar("SELECT previous FROM idem_setting WHERE name = 'dedup_ttl/renamed-group'")
+            .fetch_one(db.pool())
+            .await?;
+    assert_eq!(previous.as_deref(), Some("24h"));
+    let p = producer(&brokers)?;
+    let order = Uuid::now_v7();
+    let id = idem_tests::v7_at(chrono::Utc::now() - chrono::Duration::hours(30)).to_string();
+    produce(
+        &p,
+        &raised.orders_topic,
+        Some(&order.to_string()),
+        placed(order, "pi_raise").as_bytes(),
+        &[("event_id", id.as_bytes())],
+    )
+    .await?;
+    let refused = eventually(Duration::from_secs(60), || async {
+        Ok(idem_json(&raised, &["dlq", "list", "--reason", "older-than-dedup-window"])?["total"].as_u64() == Some(1))
+    })
+    .await?;
+    assert!(refused, "an event older than the old window was admitted right after the raise");
+    assert_eq!(payments_of(&db, "pi_raise").await?, 0);
+    Ok(())
+}
+
 /// A poison row is listed as quarantined with its attempts and error; `retry` releases it.
 #[tokio::test]
 async fn quarantined_outbox_rows_are_listed_and_retried() -> anyhow::Result<()> {
