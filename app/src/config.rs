@@ -96,6 +96,10 @@ pub struct KafkaArgs {
     /// Partitions of the topics idem creates when they are missing.
     #[arg(long, env = "KAFKA_TOPIC_PARTITIONS", default_value_t = 6, value_parser = clap::value_parser!(i32).range(1..=1000))]
     pub topic_partitions: i32,
+    /// Replication factor of the topics idem creates: `auto` (3 where the cluster has 3 brokers or more,
+    /// else one per broker) or a number.
+    #[arg(long, env = "KAFKA_REPLICATION_FACTOR", default_value = "auto")]
+    pub replication_factor: idem_kafka::admin::Replication,
 }
 
 /// The order-event stream: its topic, dead-letter topic and consumer group (`idem serve`, `idem dlq`).

@@ -159,13 +159,14 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let runner = Runner::new(settings, bg_tm, clock.clone(), handler);
     runner.stats().register(&mut registry);
     let token = shutdown.clone();
-    let (brokers, partitions) = (args.kafka.kafka_brokers.clone(), args.kafka.topic_partitions);
+    let (brokers, partitions, replication) =
+        (args.kafka.kafka_brokers.clone(), args.kafka.topic_partitions, args.kafka.replication_factor);
     let topics = [args.orders.orders_topic.clone(), dlq_topic, args.kafka.payments_topic.clone()];
     // Kafka may be down at start: the API serves at once (payments wait in the outbox), topics are created
     // in the background, and the consumer starts once they exist.
     group.spawn("order consumer", async move {
         let topics: Vec<&str> = topics.iter().map(String::as_str).collect();
-        if !ensure_topics_when_reachable(&brokers, &topics, partitions, &token).await {
+        if !ensure_topics_when_reachable(&brokers, &topics, partitions, replication, &token).await {
             return Ok(());
         }
         Ok(runner.run(token).await?)

@@ -51,10 +51,16 @@ pub mod headers {
 /// Value of the `content-type` header of every message idem publishes.
 pub const JSON: &str = "application/json";
 
+/// Version of the payment events' body: 1 (no `schema_version` field) had no merchant; 2 adds
+/// `merchant_id`, so receivers can scope a payment to its merchant. Fields are only ever added.
+pub const PAYMENT_EVENT_SCHEMA: u32 = 2;
+
 /// `PaymentCaptured`, announced (keyed by the order id) when a payment is created.
 pub fn payment_captured(payment: &PaymentRecord) -> Value {
     json!({
         "type": "PaymentCaptured",
+        "schema_version": PAYMENT_EVENT_SCHEMA,
+        "merchant_id": payment.merchant_id,
         "payment_id": payment.id,
         "order_id": payment.order_id,
         "customer_id": payment.customer_id,
@@ -74,6 +80,8 @@ pub fn payment_refunded(
 ) -> Value {
     json!({
         "type": "PaymentRefunded",
+        "schema_version": PAYMENT_EVENT_SCHEMA,
+        "merchant_id": payment.merchant_id,
         "payment_id": payment.id,
         "refund_id": refund.id,
         "order_id": payment.order_id,

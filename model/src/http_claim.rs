@@ -25,6 +25,8 @@
 
 use std::collections::BTreeMap;
 
+use idem_domain::{Decision, Fingerprint};
+use idem_ports::{IdempotencyRecord, IdempotencyState, StoredResponse};
 use stateright::{Model, Property};
 
 /// A merchant: idempotency records are scoped by it.
@@ -228,21 +230,23 @@ impl ClaimProtocol {
             state.clients[c as usize].phase = Phase::Waiting;
             return;
         }
-        let live = state.records.get(&slot).filter(|r| !r.expired).copied();
-        match live {
-            None => {
+        // The decision is the domain's own `decide`, on the record as the store would hand it over.
+        let stored = state.records.get(&slot).copied().map(as_stored);
+        match idem_domain::decide(stored.as_ref(), &fingerprint(client.request), now()) {
+            Decision::Execute => {
                 if uses_lock {
                     state.locks.insert(slot, c);
                 }
                 state.clients[c as usize].phase = Phase::Claimed;
             }
-            Some(r) if r.request != client.request => {
+            Decision::Conflict => {
                 state.clients[c as usize].phase = Phase::Done; // 409/422 conflict
             }
-            Some(Record { state: RecordState::Completed(effect), .. }) => {
+            Decision::Replay(response) => {
+                let effect = Effect { client: response.body[0], attempt: response.body[1] };
                 Self::answer(state, c, client.scope, effect, true);
             }
-            Some(_) => self.retry_or_stop(state, c), // 409 request-in-flight
+            Decision::InFlight => self.retry_or_stop(state, c), // 409 request-in-flight
         }
     }
 
@@ -262,6 +266,38 @@ impl ClaimProtocol {
                 Self::answer(state, c, scope, effect, false);
             }
         }
+    }
+}
+
+/// The model's clock for [`idem_domain::decide`]: expiry is an action here, so a record is dated to have
+/// expired an hour before this time, or to expire an hour after it.
+fn now() -> chrono::DateTime<chrono::Utc> {
+    chrono::DateTime::from_timestamp(1_800_000_000, 0).unwrap_or_default()
+}
+
+/// The fingerprint of request `request` (same number, same bytes).
+fn fingerprint(request: Request) -> Fingerprint {
+    Fingerprint::from_bytes([request; 32])
+}
+
+/// A model record as the store returns it (the response body names the effect).
+fn as_stored(r: Record) -> IdempotencyRecord {
+    let (state, response) = match r.state {
+        RecordState::InFlight => (IdempotencyState::InFlight, None),
+        RecordState::Completed(e) => (
+            IdempotencyState::Completed,
+            Some(StoredResponse { status_code: 201, headers: Vec::new(), body: vec![e.client, e.attempt] }),
+        ),
+    };
+    let hour = chrono::Duration::hours(1);
+    IdempotencyRecord {
+        scope: String::new(),
+        key: String::new(),
+        command_hash: *fingerprint(r.request).as_bytes(),
+        state,
+        response,
+        created_at: now() - hour * 2,
+        expires_at: if r.expired { now() - hour } else { now() + hour },
     }
 }
 

@@ -13,7 +13,9 @@ pub fn unique_topic(prefix: &str) -> String {
 }
 
 pub async fn create_topic(brokers: &str, topic: &str, partitions: i32) -> anyhow::Result<()> {
-    idem_kafka::admin::ensure_topics(brokers, &[topic], partitions).await.map_err(anyhow::Error::msg)
+    idem_kafka::admin::ensure_topics(brokers, &[topic], partitions, idem_kafka::admin::Replication::Auto)
+        .await
+        .map_err(anyhow::Error::msg)
 }
 
 pub fn producer(brokers: &str) -> anyhow::Result<FutureProducer> {
