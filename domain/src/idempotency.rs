@@ -132,6 +132,14 @@ impl Fingerprint {
         hasher.update(route.as_bytes());
         hasher.update([0]);
         match serde_json::from_slice::<serde_json::Value>(body) {
+            // A number that f64 cannot hold exactly (`0.10000000000000000001`, integers past u64) would
+            // fingerprint like its rounded neighbour: such bodies are canonicalized from their text, with
+            // every number kept exactly. Others keep the form below (pinned across versions).
+            Ok(_) if has_inexact_number(body) => {
+                hasher.update(b"json-exact\0");
+                let mut pos = 0;
+                hasher.update(exact::canonical(body, &mut pos));
+            }
             Ok(json) => {
                 hasher.update(b"json\0");
                 write_canonical(&json, &mut hasher);
@@ -212,6 +220,175 @@ fn write_scalar<T: serde::Serialize + ?Sized>(value: &T, hasher: &mut Sha256) {
     let _ = serde_json::to_writer(Feed(hasher), value);
 }
 
+/// Whether a JSON text (valid) has a number literal whose value serde_json's `Value` does not hold exactly.
+fn has_inexact_number(body: &[u8]) -> bool {
+    let mut i = 0;
+    while i < body.len() {
+        match body[i] {
+            b'"' => i = exact::skip_string(body, i),
+            b'-' | b'0'..=b'9' => {
+                let end = exact::number_end(body, i);
+                if !exact::is_exact(&body[i..end]) {
+                    return true;
+                }
+                i = end;
+            }
+            _ => i += 1,
+        }
+    }
+    false
+}
+
+/// Canonical JSON from the text, numbers exact (see [`Fingerprint::of_request`]).
+mod exact {
+    use std::collections::BTreeMap;
+
+    pub(super) fn skip_string(b: &[u8], start: usize) -> usize {
+        let mut i = start + 1;
+        while i < b.len() {
+            match b[i] {
+                b'\\' => i += 2,
+                b'"' => return i + 1,
+                _ => i += 1,
+            }
+        }
+        i
+    }
+
+    pub(super) fn number_end(b: &[u8], start: usize) -> usize {
+        let mut i = start;
+        while i < b.len() && matches!(b[i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9') {
+            i += 1;
+        }
+        i
+    }
+
+    /// `(negative, significant digits, exponent)` of a decimal literal: its exact value.
+    fn normalize(text: &str) -> (bool, String, i64) {
+        let (neg, rest) = match text.strip_prefix('-') {
+            Some(r) => (true, r),
+            None => (false, text),
+        };
+        let (mantissa, exp) = match rest.find(['e', 'E']) {
+            Some(at) => (&rest[..at], rest[at + 1..].parse::<i64>().unwrap_or(0)),
+            None => (rest, 0),
+        };
+        let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+        let digits = format!("{int}{frac}");
+        let digits = digits.trim_start_matches('0');
+        let trimmed = digits.trim_end_matches('0');
+        let exp = exp - frac.len() as i64 + (digits.len() - trimmed.len()) as i64;
+        if trimmed.is_empty() { (false, String::new(), 0) } else { (neg, trimmed.to_owned(), exp) }
+    }
+
+    /// Whether serde_json's `Value` holds this number literal exactly.
+    pub(super) fn is_exact(literal: &[u8]) -> bool {
+        let Ok(text) = std::str::from_utf8(literal) else { return false };
+        let Ok(value) = serde_json::from_str::<serde_json::Number>(text) else { return false };
+        normalize(text) == normalize(&value.to_string())
+    }
+
+    fn skip_ws(b: &[u8], pos: &mut usize) {
+        while *pos < b.len() && b[*pos].is_ascii_whitespace() {
+            *pos += 1;
+        }
+    }
+
+    /// The canonical bytes of the value at `pos` (the text is valid JSON): keys sorted, the last of
+    /// duplicate keys kept (as `Value` does), strings re-encoded, numbers as `serde_json` writes them when
+    /// exact and as `#<sign><digits>e<exp>` (never valid JSON, so never equal to another value) when not.
+    pub(super) fn canonical(b: &[u8], pos: &mut usize) -> Vec<u8> {
+        skip_ws(b, pos);
+        let start = *pos;
+        match b.get(start) {
+            Some(b'{') => {
+                *pos += 1;
+                let mut entries: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+                loop {
+                    skip_ws(b, pos);
+                    match b.get(*pos) {
+                        Some(b'}') => {
+                            *pos += 1;
+                            break;
+                        }
+                        Some(b',') => *pos += 1,
+                        Some(b'"') => {
+                            let end = skip_string(b, *pos);
+                            let key: String = serde_json::from_slice(&b[*pos..end]).unwrap_or_default();
+                            *pos = end;
+                            skip_ws(b, pos);
+                            *pos += 1; // ':'
+                            let value = canonical(b, pos);
+                            entries.insert(key, value);
+                        }
+                        _ => break,
+                    }
+                }
+                let mut out = b"{".to_vec();
+                for (i, (k, v)) in entries.iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    out.extend(serde_json::to_vec(k).unwrap_or_default());
+                    out.push(b':');
+                    out.extend(v);
+                }
+                out.push(b'}');
+                out
+            }
+            Some(b'[') => {
+                *pos += 1;
+                let mut out = b"[".to_vec();
+                let mut first = true;
+                loop {
+                    skip_ws(b, pos);
+                    match b.get(*pos) {
+                        Some(b']') | None => {
+                            *pos += 1;
+                            break;
+                        }
+                        Some(b',') => *pos += 1,
+                        Some(_) => {
+                            if !first {
+                                out.push(b',');
+                            }
+                            first = false;
+                            out.extend(canonical(b, pos));
+                        }
+                    }
+                }
+                out.push(b']');
+                out
+            }
+            Some(b'"') => {
+                let end = skip_string(b, start);
+                *pos = end;
+                let text: String = serde_json::from_slice(&b[start..end]).unwrap_or_default();
+                serde_json::to_vec(&text).unwrap_or_default()
+            }
+            Some(b'-' | b'0'..=b'9') => {
+                let end = number_end(b, start);
+                *pos = end;
+                let literal = std::str::from_utf8(&b[start..end]).unwrap_or_default();
+                match serde_json::from_str::<serde_json::Number>(literal) {
+                    Ok(n) if is_exact(literal.as_bytes()) => n.to_string().into_bytes(),
+                    _ => {
+                        let (neg, digits, exp) = normalize(literal);
+                        format!("#{}{digits}e{exp}", if neg { "-" } else { "" }).into_bytes()
+                    }
+                }
+            }
+            Some(_) => {
+                // true, false, null
+                let end = (start..b.len()).find(|&i| !b[i].is_ascii_alphabetic()).unwrap_or(b.len());
+                *pos = end;
+                b[start..end].to_vec()
+            }
+            None => Vec::new(),
+        }
+    }
+}
+
 /// What to do with a request, given the record stored for its key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision<'a> {
@@ -252,6 +429,27 @@ pub fn decide<'a>(
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    fn fp(body: &str) -> Fingerprint {
+        Fingerprint::of_request("POST", "/x", body.as_bytes())
+    }
+
+    /// Issue 24.8: numbers were fingerprinted through f64, so a different request replayed.
+    #[test]
+    fn numbers_are_fingerprinted_exactly() {
+        assert_ne!(fp(r#"{"q":0.1}"#), fp(r#"{"q":0.10000000000000000001}"#));
+        assert_ne!(fp(r#"{"n":18446744073709551616}"#), fp(r#"{"n":18446744073709551617}"#));
+        let (a, b) = ("0.10000000000000000001", "0.10000000000000000002");
+        assert_ne!(fp(&format!(r#"{{"a":{a},"b":{b}}}"#)), fp(&format!(r#"{{"a":{b},"b":{a}}}"#)));
+        // the same value written differently is the same request
+        assert_eq!(fp(r#"{"q":0.1}"#), fp(r#"{"q":1e-1}"#));
+        assert_eq!(fp(r#"{"q":0.1}"#), fp(r#"{"q":0.10}"#));
+        assert_eq!(
+            fp(r#"{"a":0.10000000000000000001, "b":[1,"\u0041",true,null]}"#),
+            fp(r#"{"b":[1,"A",true,null],"a":0.100000000000000000010}"#)
+        );
+        assert_eq!(fp(r#"{"a":1,"a":1.00000000000000000001}"#), fp(r#"{"a":1.00000000000000000001}"#));
+    }
 
     fn record(hash: [u8; 32], state: IdempotencyState, expires_in_secs: i64) -> IdempotencyRecord {
         let now = DateTime::from_timestamp(1_700_000_000, 0).expect("valid");

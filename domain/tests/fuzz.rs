@@ -52,6 +52,24 @@ fn field() -> impl Strategy<Value = serde_json::Value> {
     ]
 }
 
+fn json_value() -> impl Strategy<Value = serde_json::Value> {
+    use serde_json::Value;
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        any::<i64>().prop_map(Value::from),
+        (-1e9f64..1e9).prop_map(Value::from),
+        "\\PC{0,12}".prop_map(Value::String),
+    ];
+    leaf.prop_recursive(3, 24, 6, |inner| {
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+            proptest::collection::btree_map("[a-z]{1,6}", inner, 0..6)
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(cases()))]
 
@@ -74,11 +92,22 @@ proptest! {
         }
     }
 
+    /// Re-serializing the same JSON (whitespace, key order) is the same request; any other route, method
+    /// or changed leaf is another. Arbitrary bytes never panic.
     #[test]
-    fn json_bodies_fingerprint(body in proptest::collection::vec(any::<u8>(), 0..2048), route in "\\PC{0,40}") {
-        let a = Fingerprint::of_request("POST", &route, &body);
-        let b = Fingerprint::of_request("POST", &route, &body);
-        prop_assert_eq!(a, b);
+    fn json_bodies_fingerprint(
+        value in json_value(),
+        route in "/[a-z]{0,12}",
+        body in proptest::collection::vec(any::<u8>(), 0..512),
+    ) {
+        let compact = serde_json::to_vec(&value).expect("json");
+        let pretty = serde_json::to_vec_pretty(&value).expect("json");
+        prop_assert_eq!(Fingerprint::of_request("POST", &route, &compact), Fingerprint::of_request("post", &route, &pretty));
+        prop_assert_ne!(Fingerprint::of_request("POST", &route, &compact), Fingerprint::of_request("PUT", &route, &compact));
+        prop_assert_ne!(Fingerprint::of_request("POST", &route, &compact), Fingerprint::of_request("POST", &format!("{route}/"), &compact));
+        let changed = serde_json::json!({ "wrapped": value.clone() });
+        prop_assert_ne!(Fingerprint::of_request("POST", &route, &compact), Fingerprint::of_request("POST", &route, &serde_json::to_vec(&changed).expect("json")));
+        let _ = Fingerprint::of_request("POST", &route, &body);
     }
 
     #[test]
