@@ -420,6 +420,32 @@ impl Relay {
                 }
             }
         }
+        if !rejected.is_empty() {
+            // The broker refuses whole produce requests (a batch of several keys and partitions): a refusal
+            // says only that some row of the request was refused. Each refused row is sent alone, in claim
+            // order, before it is charged; a key whose row is refused alone (or fails) sends nothing more.
+            let refused: HashSet<uuid::Uuid> = rejected.drain(..).collect();
+            let mut stopped: HashSet<&str> = HashSet::new();
+            for row in rows.iter().filter(|r| refused.contains(&r.id)) {
+                if stopped.contains(row.aggregate_id.as_str()) {
+                    continue; // behind a row of its key refused alone: waits, not an attempt
+                }
+                match send_alone(producer, row).await {
+                    Ok(()) => delivered.push(row),
+                    Err(e) => {
+                        stopped.insert(&row.aggregate_id);
+                        session_broken |= breaks_session(&e);
+                        if is_permanent(&e) {
+                            last_rejection = e.to_string();
+                            rejected.push(row.id);
+                        } else {
+                            last_error = e.to_string();
+                            failed.push(row.id);
+                        }
+                    }
+                }
+            }
+        }
         let now = self.clock.now();
         let ids: Vec<_> = delivered.iter().map(|r| r.id).collect();
         if !ids.is_empty() {
@@ -447,6 +473,13 @@ impl Relay {
         }
         Ok(Round { claimed: rows.len(), failed: failed.len(), session_broken })
     }
+}
+
+/// Sends one row and waits for its delivery report.
+async fn send_alone(producer: &FutureProducer, row: &OutboxRecord) -> Result<(), KafkaError> {
+    let record =
+        FutureRecord::to(&row.topic).key(&row.aggregate_id).payload(row.payload.as_str()).headers(record_headers(row));
+    producer.send(record, Duration::from_secs(30)).await.map(|_| ()).map_err(|(e, _)| e)
 }
 
 /// Errors after which the broker will refuse the same message again, whatever the retries: the row is a

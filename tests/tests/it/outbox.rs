@@ -737,3 +737,42 @@ async fn a_claim_after_a_stream_of_published_rows_reads_few_index_pages() -> any
     assert!(pages <= 30, "one claim of 10 rows read {pages} index pages");
     Ok(())
 }
+
+/// Issue 24.5: the broker refuses a whole produce request (a batch-level refusal: here librdkafka's mock
+/// cluster answers the first Produce request with MSG_SIZE_TOO_LARGE). It holds rows of two keys, none of
+/// them too large: no row may be charged a refusal (quarantined after one here) for its neighbours; each
+/// is tried on its own first, and all are published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_refused_by_the_broker_is_attributed_per_row_before_any_quarantine() -> anyhow::Result<()> {
+    use rdkafka::mocking::MockCluster;
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+
+    let db = TestDb::new().await?;
+    let mock = MockCluster::new(1)?;
+    let topic = "mock-payments";
+    mock.create_topic(topic, 1, 1)?;
+    for (key, n) in [("k", 1), ("k", 2), ("j", 1)] {
+        let mut uow = db.store.begin().await?;
+        uow.outbox().enqueue(&message(topic, key, json!({ "type": "Test", "n": n }))).await?;
+        uow.commit().await?;
+    }
+    mock.request_errors(RDKafkaApiKey::Produce, &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE]);
+    let mut settings = RelaySettings::new(&mock.bootstrap_servers());
+    settings.quarantine_after = 1;
+    let producer: rdkafka::producer::FutureProducer = settings.producer.client_config().create()?;
+    let relay = Relay::new(settings, Arc::new(db.store.clone()), Arc::new(SystemClock));
+    let mut published = 0;
+    for _ in 0..3 {
+        relay.round(&producer).await?;
+        published = relay.stats().published.get();
+        if published == 3 {
+            break;
+        }
+    }
+    let quarantined: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE quarantined_at IS NOT NULL")
+        .fetch_one(db.pool())
+        .await?;
+    assert_eq!(quarantined, 0, "rows were quarantined for a refusal of the whole request");
+    assert_eq!(published, 3);
+    Ok(())
+}
