@@ -249,8 +249,8 @@ impl PgStore {
         .map_err(map_sqlx_error)
     }
 
-    /// Records a re-drive (and, for a late admission, the admission the consumer will apply once), in one
-    /// transaction, before the message is produced again: `false` if it was re-driven already.
+    /// Records a re-drive after the broker acknowledged the message: `false` if it was recorded already
+    /// (a concurrent re-drive of the same dead letter; its two copies share the event_id).
     pub async fn record_redrive(&self, r: &Redrive) -> Result<bool, StoreError> {
         let mut tx = self.pool().begin().await.map_err(map_sqlx_error)?;
         let inserted = sqlx::query!(
@@ -271,40 +271,32 @@ impl PgStore {
         .execute(&mut *tx)
         .await
         .map_err(map_sqlx_error)?;
-        if inserted.rows_affected() == 0 {
-            return Ok(false);
-        }
-        if r.admitted_late
-            && let Some(event_id) = r.event_id
-        {
-            sqlx::query!(
-                r#"INSERT INTO late_admission (consumer, event_id, admitted_by, admitted_at)
-                   VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING"#,
-                r.consumer,
-                event_id,
-                r.by,
-                r.at,
-            )
-            .execute(&mut *tx)
-            .await
-            .map_err(map_sqlx_error)?;
-        }
         tx.commit().await.map_err(map_sqlx_error)?;
-        Ok(true)
+        Ok(inserted.rows_affected() == 1)
     }
 
-    /// Forgets a re-drive whose message could not be produced, so it can be tried again.
-    pub async fn forget_redrive(&self, dlq_topic: &str, partition: i32, offset: i64) -> Result<(), StoreError> {
+    /// Admits `event_id` for `consumer` although it is older than the dedup window (before its re-drive is
+    /// produced, so the consumer finds the admission; an admission whose message never went out is
+    /// harmless: the event is applied at most once whenever it comes).
+    pub async fn admit_late(
+        &self,
+        consumer: &str,
+        event_id: Uuid,
+        by: &str,
+        at: DateTime<Utc>,
+    ) -> Result<(), StoreError> {
         sqlx::query!(
-            "DELETE FROM dlq_redrive WHERE dlq_topic = $1 AND dlq_partition = $2 AND dlq_offset = $3",
-            dlq_topic,
-            partition,
-            offset,
+            r#"INSERT INTO late_admission (consumer, event_id, admitted_by, admitted_at)
+               VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING"#,
+            consumer,
+            event_id,
+            by,
+            at,
         )
         .execute(self.pool())
         .await
-        .map_err(map_sqlx_error)?;
-        Ok(())
+        .map(|_| ())
+        .map_err(map_sqlx_error)
     }
 }
 

@@ -480,11 +480,15 @@ async fn dlq_redrive(args: DlqRedriveArgs) -> anyhow::Result<()> {
                 admitted_late: late,
                 consumer: consumer_of(m),
             };
-            if !store.record_redrive(&record).await? {
-                skipped.push(skip("re-driven already"));
-            } else if let Err(e) = dlq::redrive(&producer, &dlq_topic, m, target).await {
-                store.forget_redrive(&dlq_topic, pos.partition, pos.offset).await?;
+            // Recorded after the broker's acknowledgement: a re-drive killed before it leaves nothing behind
+            // (the dead letter can be re-driven again; two copies are deduplicated by their event_id).
+            if late && let Some(event_id) = m.event_id() {
+                store.admit_late(&record.consumer, event_id, &record.by, record.at).await?;
+            }
+            if let Err(e) = dlq::redrive(&producer, &dlq_topic, m, target).await {
                 failed.push(json!({"position": pos.to_string(), "event_id": m.event_id(), "error": e.to_string()}));
+            } else if !store.record_redrive(&record).await? {
+                skipped.push(skip("re-driven already (by someone else meanwhile)"));
             } else {
                 redriven.push(json!({"position": pos.to_string(), "event_id": m.event_id(), "admitted_late": late}));
             }

@@ -83,6 +83,17 @@ impl Service {
     }
 
     #[allow(dead_code)] // used by the ops tests, which share this harness
+    /// `idem <args>` started in the background (to be killed mid-way).
+    pub fn idem_spawn(&self, args: &[&str]) -> anyhow::Result<std::process::Child> {
+        let mut cmd = Command::new(idem_bin());
+        cmd.args(args).env("RUST_LOG", "warn").stdout(Stdio::null()).stderr(Stdio::null());
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        Ok(cmd.spawn()?)
+    }
+
+    #[allow(dead_code)] // used by the ops tests, which share this harness
     /// `idem <args>` under Debian's `faketime -f <shift>` (for example `+2d`): the process's wall clock is
     /// moved, its monotonic clock is not.
     pub fn idem_with_clock(&self, shift: Option<&str>, args: &[&str]) -> anyhow::Result<std::process::Output> {

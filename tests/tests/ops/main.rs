@@ -324,6 +324,49 @@ async fn settings_that_would_reopen_processed_events_are_refused_or_handled() ->
     Ok(())
 }
 
+/// Issue 24.8: a re-drive killed while the broker had not acknowledged its message (librdkafka's mock
+/// cluster answers every Produce request with a retriable error meanwhile) leaves nothing behind: once the
+/// broker is back the dead letter is re-driven. It used to be recorded before producing, and so stayed
+/// "re-driven already" for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_killed_before_the_broker_acked_can_be_redriven_later() -> anyhow::Result<()> {
+    use rdkafka::mocking::MockCluster;
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+
+    let db = TestDb::new().await?;
+    let mock = MockCluster::new(1)?;
+    let service = Service::new(&db.url, &mock.bootstrap_servers());
+    let (orders, dlq) = (service.orders_topic.clone(), format!("{}.dlq", service.orders_topic));
+    mock.create_topic(&orders, 1, 1)?;
+    mock.create_topic(&dlq, 1, 1)?;
+    let p = producer(&mock.bootstrap_servers())?;
+    let id = Uuid::now_v7().to_string();
+    let headers: [(&str, &[u8]); 4] = [
+        ("event_id", id.as_bytes()),
+        ("dlq.reason", b"malformed"),
+        ("dlq.original.topic", orders.as_bytes()),
+        ("dlq.failed.at", b"2026-12-04T00:00:00Z"),
+    ];
+    let (partition, offset) = produce(&p, &dlq, Some("k"), b"{}", &headers).await?;
+    let position = format!("{partition}:{offset}");
+    mock.request_errors(RDKafkaApiKey::Produce, &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS; 500]);
+    let mut stuck = service.idem_spawn(&["dlq", "redrive", "--id", &position])?;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(stuck.try_wait()?.is_none(), "the re-drive should still wait for the broker's acknowledgement");
+    stuck.kill()?;
+    let _ = stuck.wait();
+    mock.clear_request_errors(RDKafkaApiKey::Produce);
+    let done = idem_json(&service, &["dlq", "redrive", "--id", &position])?;
+    assert_eq!(
+        done["redriven"].as_array().unwrap().len(),
+        1,
+        "the killed re-drive left the dead letter behind: {done}"
+    );
+    let again = idem_json(&service, &["dlq", "redrive", "--id", &position])?;
+    assert_eq!(again["skipped"][0]["why"], "re-driven already", "{again}");
+    Ok(())
+}
+
 /// A poison row is listed as quarantined with its attempts and error; `retry` releases it.
 #[tokio::test]
 async fn quarantined_outbox_rows_are_listed_and_retried() -> anyhow::Result<()> {
