@@ -95,55 +95,94 @@ pub fn read_all(
     timeout: Duration,
     mut on_message: impl FnMut(&DeadLetterMessage),
 ) -> Result<Vec<DeadLetterMessage>, rdkafka::error::KafkaError> {
-    // partitions are assigned by hand and nothing is committed: the group id is never used by the broker
-    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", "idem-dlq-reader")
-        .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "false")
-        .create()?;
-    let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
-    let partitions: Vec<i32> = metadata.topics().iter().flat_map(|t| t.partitions().iter().map(|p| p.id())).collect();
-    let mut ends = std::collections::HashMap::new();
-    let mut assignment = TopicPartitionList::new();
-    for p in &partitions {
-        let (low, high) = consumer.fetch_watermarks(topic, *p, timeout)?;
-        if high > low {
-            ends.insert(*p, high);
-            assignment.add_partition_offset(topic, *p, Offset::Offset(low))?;
-        }
-    }
+    let mut reader = Reader::open(brokers, topic, timeout)?;
     let mut out = Vec::new();
-    if ends.is_empty() {
-        return Ok(out);
-    }
-    consumer.assign(&assignment)?;
-    let deadline = std::time::Instant::now() + timeout;
-    while !ends.is_empty() {
-        if std::time::Instant::now() > deadline {
-            return Err(rdkafka::error::KafkaError::MessageConsumption(
-                rdkafka::types::RDKafkaErrorCode::OperationTimedOut,
-            ));
+    loop {
+        let batch = reader.next_batch(1000)?;
+        if batch.is_empty() {
+            return Ok(out);
         }
-        let Some(m) = consumer.poll(Duration::from_millis(200)) else { continue };
-        let m = m?;
-        let message = DeadLetterMessage {
-            partition: m.partition(),
-            offset: m.offset(),
-            key: m.key().map(<[u8]>::to_vec),
-            payload: m.payload().unwrap_or_default().to_vec(),
-            headers: m
-                .headers()
-                .map(|h| h.iter().map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec())).collect())
-                .unwrap_or_default(),
-        };
-        if ends.get(&m.partition()).is_some_and(|end| m.offset() + 1 >= *end) {
-            ends.remove(&m.partition());
+        for m in batch {
+            on_message(&m);
+            out.push(m);
         }
-        on_message(&message);
-        out.push(message);
     }
-    Ok(out)
+}
+
+/// Reads a dead-letter topic in batches, up to the high watermarks it found when opened, so a large topic
+/// is never held in memory at once (`idem dlq redrive --all-matching` re-drives batch by batch). Blocking:
+/// call it off the async workers.
+pub struct Reader {
+    consumer: BaseConsumer,
+    /// Partitions still to read, with their end offsets.
+    ends: std::collections::HashMap<i32, i64>,
+    /// Longest wait for the next message.
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for Reader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reader").field("partitions_left", &self.ends.len()).finish_non_exhaustive()
+    }
+}
+
+impl Reader {
+    /// Assigns every non-empty partition of `topic` from its start (no group is joined; nothing committed).
+    pub fn open(brokers: &str, topic: &str, timeout: Duration) -> Result<Self, rdkafka::error::KafkaError> {
+        // partitions are assigned by hand and nothing is committed: the group id is never used by the broker
+        let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .set("group.id", "idem-dlq-reader")
+            .set("enable.auto.commit", "false")
+            .set("enable.partition.eof", "false")
+            .create()?;
+        let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
+        let partitions: Vec<i32> =
+            metadata.topics().iter().flat_map(|t| t.partitions().iter().map(|p| p.id())).collect();
+        let mut ends = std::collections::HashMap::new();
+        let mut assignment = TopicPartitionList::new();
+        for p in &partitions {
+            let (low, high) = consumer.fetch_watermarks(topic, *p, timeout)?;
+            if high > low {
+                ends.insert(*p, high);
+                assignment.add_partition_offset(topic, *p, Offset::Offset(low))?;
+            }
+        }
+        if !ends.is_empty() {
+            consumer.assign(&assignment)?;
+        }
+        Ok(Self { consumer, ends, timeout })
+    }
+
+    /// Up to `max` further messages; empty once every partition was read to its end.
+    pub fn next_batch(&mut self, max: usize) -> Result<Vec<DeadLetterMessage>, rdkafka::error::KafkaError> {
+        let mut out = Vec::new();
+        let deadline = std::time::Instant::now() + self.timeout;
+        while !self.ends.is_empty() && out.len() < max {
+            if std::time::Instant::now() > deadline {
+                return Err(rdkafka::error::KafkaError::MessageConsumption(
+                    rdkafka::types::RDKafkaErrorCode::OperationTimedOut,
+                ));
+            }
+            let Some(m) = self.consumer.poll(Duration::from_millis(200)) else { continue };
+            let m = m?;
+            let message = DeadLetterMessage {
+                partition: m.partition(),
+                offset: m.offset(),
+                key: m.key().map(<[u8]>::to_vec),
+                payload: m.payload().unwrap_or_default().to_vec(),
+                headers: m
+                    .headers()
+                    .map(|h| h.iter().map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec())).collect())
+                    .unwrap_or_default(),
+            };
+            if self.ends.get(&m.partition()).is_some_and(|end| m.offset() + 1 >= *end) {
+                self.ends.remove(&m.partition());
+            }
+            out.push(message);
+        }
+        Ok(out)
+    }
 }
 
 /// Produces `dead`'s original message to `to` (same key, payload and headers, plus

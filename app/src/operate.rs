@@ -426,16 +426,41 @@ async fn dlq_show(args: DlqShowArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The next batch of `reader` (off the async workers); empty at the end.
+async fn next_dead_letters(reader: dlq::Reader) -> anyhow::Result<(dlq::Reader, Vec<DeadLetterMessage>)> {
+    tokio::task::spawn_blocking(move || {
+        let mut reader = reader;
+        let batch = reader.next_batch(500).context("reading dead letters");
+        batch.map(|b| (reader, b))
+    })
+    .await?
+}
+
 async fn dlq_redrive(args: DlqRedriveArgs) -> anyhow::Result<()> {
     let dlq_topic = args.topics.orders.dlq_topic();
-    let all = read_dlq(&args.topics, "reading dead letters").await?;
-    let selected: Vec<&DeadLetterMessage> = all
-        .iter()
-        .filter(|m| if args.ids.is_empty() { true } else { args.ids.contains(&position(m)) })
-        .filter(|m| args.filter.matches(m))
-        .collect();
-    if let Some(missing) = args.ids.iter().find(|p| !selected.iter().any(|m| position(m) == **p)) {
-        anyhow::bail!("no dead letter at {missing} in {dlq_topic} matching the filters");
+    let select =
+        |m: &DeadLetterMessage| (args.ids.is_empty() || args.ids.contains(&position(m))) && args.filter.matches(m);
+    let mut reader = {
+        let (brokers, topic) = (args.topics.kafka.kafka_brokers.clone(), dlq_topic.clone());
+        tokio::task::spawn_blocking(move || dlq::Reader::open(&brokers, &topic, READ_TIMEOUT))
+            .await?
+            .with_context(|| format!("reading {dlq_topic}"))?
+    };
+    // `--id`: every id must exist before anything changes (only those messages are kept). Otherwise the
+    // topic is streamed: re-driven batch by batch, never held in memory whole.
+    let mut chosen = Vec::new();
+    if !args.ids.is_empty() {
+        loop {
+            let (r, batch) = next_dead_letters(reader).await?;
+            reader = r;
+            if batch.is_empty() {
+                break;
+            }
+            chosen.extend(batch.into_iter().filter(|m| select(m)));
+        }
+        if let Some(missing) = args.ids.iter().find(|p| !chosen.iter().any(|m| position(m) == **p)) {
+            anyhow::bail!("no dead letter at {missing} in {dlq_topic} matching the filters");
+        }
     }
     let store = crate::connect(&args.db).await?;
     store.migrate().await.context("applying migrations")?;
@@ -445,55 +470,71 @@ async fn dlq_redrive(args: DlqRedriveArgs) -> anyhow::Result<()> {
     let target = args.to_topic.as_deref().unwrap_or(&args.topics.orders.orders_topic);
     let consumer_of = |m: &DeadLetterMessage| m.consumer_group().unwrap_or_else(|| args.topics.orders.group_id.clone());
     let (mut redriven, mut skipped, mut failed) = (Vec::new(), Vec::new(), Vec::new());
-    let mut progress = Progress::new("re-driving", Some(selected.len() as u64), 100);
-    for m in selected {
-        let pos = position(m);
-        let late = m.reason() == OLDER_THAN_DEDUP_WINDOW;
-        let skip = |why: &str| json!({"position": pos.to_string(), "event_id": m.event_id(), "why": why});
-        if late && !args.admit_late {
-            skipped.push(skip("older than the dedup window: needs --admit-late (then applied at most once)"));
-        } else if m.source_topic().is_none() {
-            skipped.push(skip("no dlq.original.topic header"));
-        } else if m.source_topic().as_deref() != Some(target) && args.to_topic.is_none() {
-            skipped.push(skip(&format!(
+    let mut progress = Progress::new("re-driving", (!args.ids.is_empty()).then_some(chosen.len() as u64), 100);
+    loop {
+        let batch: Vec<DeadLetterMessage> = if args.ids.is_empty() {
+            let (r, batch) = next_dead_letters(reader).await?;
+            reader = r;
+            if batch.is_empty() {
+                break;
+            }
+            batch.into_iter().filter(|m| select(m)).collect()
+        } else if chosen.is_empty() {
+            break;
+        } else {
+            std::mem::take(&mut chosen)
+        };
+        for m in &batch {
+            let pos = position(m);
+            let late = m.reason() == OLDER_THAN_DEDUP_WINDOW;
+            let skip = |why: &str| json!({"position": pos.to_string(), "event_id": m.event_id(), "why": why});
+            if late && !args.admit_late {
+                skipped.push(skip("older than the dedup window: needs --admit-late (then applied at most once)"));
+            } else if m.source_topic().is_none() {
+                skipped.push(skip("no dlq.original.topic header"));
+            } else if m.source_topic().as_deref() != Some(target) && args.to_topic.is_none() {
+                skipped.push(skip(&format!(
                 "its source topic is not {target}, the topic this consumer reads: name a topic with --to-topic to re-drive it there"
             )));
-        } else if store.redriven(&dlq_topic, pos.partition, pos.offset).await? {
-            skipped.push(skip("re-driven already"));
-        } else if let (true, Some(id)) = (late, m.event_id())
-            && store.processed_anywhere(&consumer_of(m), id).await?
-        {
-            skipped
-                .push(skip("applied already: its processed-event row still exists (a re-drive would be a duplicate)"));
-        } else if args.dry_run {
-            redriven.push(json!({"position": pos.to_string(), "event_id": m.event_id(), "dry_run": true}));
-        } else {
-            let record = Redrive {
-                dlq_topic: dlq_topic.clone(),
-                dlq_partition: pos.partition,
-                dlq_offset: pos.offset,
-                event_id: m.event_id(),
-                source_topic: target.to_owned(),
-                reason: m.reason(),
-                by: by.clone(),
-                at: SystemClock.now(),
-                admitted_late: late,
-                consumer: consumer_of(m),
-            };
-            // Recorded after the broker's acknowledgement: a re-drive killed before it leaves nothing behind
-            // (the dead letter can be re-driven again; two copies are deduplicated by their event_id).
-            if late && let Some(event_id) = m.event_id() {
-                store.admit_late(&record.consumer, event_id, &record.by, record.at).await?;
-            }
-            if let Err(e) = dlq::redrive(&producer, &dlq_topic, m, target).await {
-                failed.push(json!({"position": pos.to_string(), "event_id": m.event_id(), "error": e.to_string()}));
-            } else if !store.record_redrive(&record).await? {
-                skipped.push(skip("re-driven already (by someone else meanwhile)"));
+            } else if store.redriven(&dlq_topic, pos.partition, pos.offset).await? {
+                skipped.push(skip("re-driven already"));
+            } else if let (true, Some(id)) = (late, m.event_id())
+                && store.processed_anywhere(&consumer_of(m), id).await?
+            {
+                skipped.push(skip(
+                    "applied already: its processed-event row still exists (a re-drive would be a duplicate)",
+                ));
+            } else if args.dry_run {
+                redriven.push(json!({"position": pos.to_string(), "event_id": m.event_id(), "dry_run": true}));
             } else {
-                redriven.push(json!({"position": pos.to_string(), "event_id": m.event_id(), "admitted_late": late}));
+                let record = Redrive {
+                    dlq_topic: dlq_topic.clone(),
+                    dlq_partition: pos.partition,
+                    dlq_offset: pos.offset,
+                    event_id: m.event_id(),
+                    source_topic: target.to_owned(),
+                    reason: m.reason(),
+                    by: by.clone(),
+                    at: SystemClock.now(),
+                    admitted_late: late,
+                    consumer: consumer_of(m),
+                };
+                // Recorded after the broker's acknowledgement: a re-drive killed before it leaves nothing behind
+                // (the dead letter can be re-driven again; two copies are deduplicated by their event_id).
+                if late && let Some(event_id) = m.event_id() {
+                    store.admit_late(&record.consumer, event_id, &record.by, record.at).await?;
+                }
+                if let Err(e) = dlq::redrive(&producer, &dlq_topic, m, target).await {
+                    failed.push(json!({"position": pos.to_string(), "event_id": m.event_id(), "error": e.to_string()}));
+                } else if !store.record_redrive(&record).await? {
+                    skipped.push(skip("re-driven already (by someone else meanwhile)"));
+                } else {
+                    redriven
+                        .push(json!({"position": pos.to_string(), "event_id": m.event_id(), "admitted_late": late}));
+                }
             }
+            progress.inc();
         }
-        progress.inc();
     }
     progress.finish();
     store.close().await;

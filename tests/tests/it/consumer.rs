@@ -754,3 +754,32 @@ async fn rejection_counts_are_forgotten_once_the_event_is_applied() -> anyhow::R
     assert_eq!(stats.retrying.get(), 0, "rejection counts of applied events were kept");
     Ok(())
 }
+
+/// Issue 24.8: `idem dlq redrive` read the whole dead-letter topic into memory. The reader it streams
+/// through hands out bounded batches up to the end the topic had when opened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dead_letter_reader_streams_bounded_batches() -> anyhow::Result<()> {
+    let brokers = idem_tests::kafka_brokers().await?;
+    let topic = unique_topic("dlq-stream");
+    create_topic(&brokers, &topic, 2).await?;
+    let p = producer(&brokers)?;
+    for i in 0..1200 {
+        let key = format!("k{i}");
+        produce(&p, &topic, Some(&key), b"{}", &[]).await?;
+    }
+    let sizes = tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<usize>> {
+        let mut reader = idem_kafka::dlq::Reader::open(&brokers, &topic, Duration::from_secs(30))?;
+        let mut sizes = Vec::new();
+        loop {
+            let batch = reader.next_batch(500)?;
+            if batch.is_empty() {
+                return Ok(sizes);
+            }
+            sizes.push(batch.len());
+        }
+    })
+    .await??;
+    assert!(sizes.iter().all(|n| *n <= 500), "{sizes:?}");
+    assert_eq!(sizes.iter().sum::<usize>(), 1200, "{sizes:?}");
+    Ok(())
+}

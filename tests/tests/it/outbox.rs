@@ -774,5 +774,13 @@ async fn a_batch_refused_by_the_broker_is_attributed_per_row_before_any_quaranti
         .await?;
     assert_eq!(quarantined, 0, "rows were quarantined for a refusal of the whole request");
     assert_eq!(published, 3);
+    // and on the wire, the key's rows are in commit order (the refused request wrote none of them)
+    let read = idem_tests::kafka::read_topic(&mock.bootstrap_servers(), topic, 3, Duration::from_secs(20)).await?;
+    let of_k: Vec<i64> = read
+        .iter()
+        .filter(|m| m.key.as_deref() == Some(b"k".as_slice()))
+        .filter_map(|m| serde_json::from_slice::<serde_json::Value>(&m.payload).ok()?["n"].as_i64())
+        .collect();
+    assert_eq!(of_k, [1, 2], "key k out of order on the wire");
     Ok(())
 }
