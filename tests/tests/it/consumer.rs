@@ -76,11 +76,22 @@ fn cancelled(order: Uuid, version: i64) -> Vec<u8> {
 
 async fn setup(partitions: i32) -> anyhow::Result<(TestDb, String, String)> {
     let db = TestDb::new().await?;
+    // every application of an order event is counted (the order handler is idempotent on its own)
+    idem_tests::effects::log_order_applications(&db).await?;
     let brokers = idem_tests::kafka_brokers().await?;
     let topic = unique_topic("orders");
     create_topic(&brokers, &topic, partitions).await?;
     create_topic(&brokers, &format!("{topic}.dlq"), 1).await?;
     Ok((db, brokers, topic))
+}
+
+/// Each order event was applied exactly once: `n` applications in all, no (order, version) twice.
+async fn applied_once_each(db: &TestDb, n: i64) -> anyhow::Result<()> {
+    let twice = idem_tests::effects::orders_applied_twice(db).await?;
+    anyhow::ensure!(twice.is_empty(), "events applied more than once: {twice:?}");
+    let all: i64 = sqlx::query_scalar("SELECT count(*) FROM test_application").fetch_one(db.pool()).await?;
+    anyhow::ensure!(all == n, "{all} applications, {n} expected");
+    Ok(())
 }
 
 /// Whether the database holds at least `n` payments within `timeout`.
@@ -124,6 +135,7 @@ async fn a_thousand_events_with_three_hundred_resent_have_seven_hundred_effects(
     assert!(eventually(Duration::from_secs(60), || async { Ok(stats.received.get() >= 1000) }).await?);
     running.stop().await;
     assert_eq!(db.count("payment").await?, 700);
+    applied_once_each(&db, 700).await?;
     assert_eq!(db.count("processed_event").await?, 700);
     assert_eq!(stats.duplicates.get(), 300);
     assert_eq!(stats.dead_lettered.get(), 0);
@@ -273,6 +285,7 @@ async fn killed_after_db_commit_before_offset_commit_has_no_second_effect() -> a
     );
     second.stop().await;
     assert_eq!(db.count("payment").await?, 20, "every order charged exactly once");
+    applied_once_each(&db, 20).await?;
     assert!(stats.duplicates.get() >= 5, "the redelivered batch was recognised");
     Ok(())
 }
@@ -321,6 +334,7 @@ async fn rebalance_under_load_keeps_effects_equal_to_distinct_events() -> anyhow
     assert!(b_processed > 0, "the second member took partitions and processed events");
     assert!(a_stats.processed.get() > 0);
     assert_eq!(db.count("payment").await?, distinct);
+    applied_once_each(&db, distinct).await?;
     assert_eq!(db.count("processed_event").await?, distinct);
     Ok(())
 }
@@ -464,6 +478,7 @@ async fn committed_offsets_never_move_backwards_across_rebalances() -> anyhow::R
         &backwards[..backwards.len().min(6)]
     );
     assert_eq!(db.count("payment").await?, n as i64);
+    applied_once_each(&db, n as i64).await?;
     Ok(())
 }
 
@@ -508,6 +523,7 @@ async fn events_older_than_the_dedup_window_are_dead_lettered_not_applied() -> a
     let externals: Vec<String> =
         sqlx::query_scalar("SELECT external_payment_id FROM payment ORDER BY 1").fetch_all(db.pool()).await?;
     assert_eq!(externals, ["pi_recent", "pi_v4"], "the event older than the dedup window was applied");
+    applied_once_each(&db, 2).await?;
     let dlq = read_topic(&brokers, &format!("{topic}.dlq"), 2, Duration::from_secs(30)).await?;
     assert_eq!(dlq.len(), 2);
     assert_eq!(dlq[0].header("dlq.reason").as_deref(), Some("older-than-dedup-window"));

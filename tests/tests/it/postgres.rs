@@ -445,3 +445,19 @@ async fn the_claims_lock_timeout_does_not_bound_the_handlers_statements() -> any
     assert_eq!(n, 8);
     Ok(())
 }
+
+/// Issue 24.8: `is_processed` read `processed_event` even in partitioned mode, so it never saw an event.
+#[tokio::test]
+async fn is_processed_reads_the_storage_in_use() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let store = db.store.clone().with_dedup_storage(idem_postgres::DedupStorage::Partitioned);
+    let (id, now) = (Uuid::now_v7(), Utc::now());
+    let row = ProcessedEvent { event_id: id, topic: "orders".into(), expires_at: now + chrono::Duration::hours(72) };
+    let mut uow = store.begin().await?;
+    assert_eq!(uow.processed_events().record_new("g", &[row], now).await?, vec![id]);
+    uow.commit().await?;
+    let mut uow = store.begin().await?;
+    assert!(uow.processed_events().is_processed("g", id).await?, "a recorded event was reported unprocessed");
+    assert!(!uow.processed_events().is_processed("other", id).await?);
+    Ok(())
+}
