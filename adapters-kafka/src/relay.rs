@@ -387,8 +387,7 @@ impl Relay {
             pending.push(Some(delivery));
         }
         let mut delivered = Vec::with_capacity(rows.len());
-        let (mut failed, mut rejected) = (Vec::new(), Vec::new());
-        let (mut last_error, mut last_rejection) = (String::new(), String::new());
+        let mut failures = Failures::default();
         let mut session_broken = false;
         let mut failed_keys: HashSet<&str> = HashSet::new();
         for (row, delivery) in rows.iter().zip(pending) {
@@ -410,21 +409,15 @@ impl Relay {
                 Err(e) => {
                     failed_keys.insert(&row.aggregate_id);
                     tracing::warn!(event_id = %row.id, topic = %row.topic, attempts = row.attempts + 1, error = %e, "outbox publish failed");
-                    if is_permanent(&e) {
-                        last_rejection = e.to_string();
-                        rejected.push(row.id);
-                    } else {
-                        last_error = e.to_string();
-                        failed.push(row.id);
-                    }
+                    failures.add(row.id, &e);
                 }
             }
         }
-        if !rejected.is_empty() {
+        if !failures.rejected.is_empty() {
             // The broker refuses whole produce requests (a batch of several keys and partitions): a refusal
             // says only that some row of the request was refused. Each refused row is sent alone, in claim
             // order, before it is charged; a key whose row is refused alone (or fails) sends nothing more.
-            let refused: HashSet<uuid::Uuid> = rejected.drain(..).collect();
+            let refused: HashSet<uuid::Uuid> = failures.rejected.drain(..).collect();
             let mut stopped: HashSet<&str> = HashSet::new();
             for row in rows.iter().filter(|r| refused.contains(&r.id)) {
                 if stopped.contains(row.aggregate_id.as_str()) {
@@ -435,13 +428,7 @@ impl Relay {
                     Err(e) => {
                         stopped.insert(&row.aggregate_id);
                         session_broken |= breaks_session(&e);
-                        if is_permanent(&e) {
-                            last_rejection = e.to_string();
-                            rejected.push(row.id);
-                        } else {
-                            last_error = e.to_string();
-                            failed.push(row.id);
-                        }
+                        failures.add(row.id, &e);
                     }
                 }
             }
@@ -451,6 +438,7 @@ impl Relay {
         if !ids.is_empty() {
             uow.outbox().delete_published(&ids).await?;
         }
+        let Failures { failed, rejected, last_error, last_rejection } = failures;
         if !failed.is_empty() {
             uow.outbox().record_failure(&failed, &last_error).await?;
         }
@@ -472,6 +460,27 @@ impl Relay {
             self.stats.publish_latency.observe(secs);
         }
         Ok(Round { claimed: rows.len(), failed: failed.len(), session_broken })
+    }
+}
+
+/// The rows of a round that failed: refused for good (charged towards quarantine) or for now.
+#[derive(Default)]
+struct Failures {
+    failed: Vec<uuid::Uuid>,
+    rejected: Vec<uuid::Uuid>,
+    last_error: String,
+    last_rejection: String,
+}
+
+impl Failures {
+    fn add(&mut self, id: uuid::Uuid, e: &KafkaError) {
+        if is_permanent(e) {
+            self.last_rejection = e.to_string();
+            self.rejected.push(id);
+        } else {
+            self.last_error = e.to_string();
+            self.failed.push(id);
+        }
     }
 }
 
