@@ -82,13 +82,19 @@ pub enum ClientError {
     Invalid(String),
 }
 
-/// The client.
-#[derive(Debug, Clone)]
+/// The client. Its `Debug` output never shows the API key.
+#[derive(Clone)]
 pub struct IdemClient {
     http: reqwest::Client,
     base: String,
     api_key: String,
     policy: RetryPolicy,
+}
+
+impl std::fmt::Debug for IdemClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdemClient").field("base", &self.base).field("policy", &self.policy).finish_non_exhaustive()
+    }
 }
 
 impl IdemClient {

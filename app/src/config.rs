@@ -18,17 +18,66 @@ impl fmt::Debug for DatabaseUrl {
     }
 }
 
-/// Replaces the password of a URL (`scheme://user:password@host`) by `***`.
+/// Replaces the passwords of a URL by `***`: the user-info's (`scheme://user:password@host`, the password
+/// running to the last `@`, so one containing `@` is hidden whole) and libpq's query parameters
+/// (`?password=…`, `sslpassword=…`).
 pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
     };
-    match rest.split_once('@') {
-        Some((userinfo, host)) => match userinfo.split_once(':') {
-            Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
-            None => url.to_owned(),
+    let base = match base.split_once("://") {
+        Some((scheme, rest)) => match rest.rsplit_once('@') {
+            Some((userinfo, host)) => match userinfo.split_once(':') {
+                Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
+                None => base.to_owned(),
+            },
+            None => base.to_owned(),
         },
-        None => url.to_owned(),
+        None => base.to_owned(),
+    };
+    let Some(query) = query else { return base };
+    let params: Vec<String> = query
+        .split('&')
+        .map(|p| match p.split_once('=') {
+            Some((k, _)) if matches!(k.to_ascii_lowercase().as_str(), "password" | "sslpassword" | "passwd") => {
+                format!("{k}=***")
+            }
+            _ => p.to_owned(),
+        })
+        .collect();
+    format!("{base}?{}", params.join("&"))
+}
+
+/// A secret setting (an API key): kept as given, shown as `***` by `Debug`.
+#[derive(Clone)]
+pub struct Secret(pub String);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("***")
+    }
+}
+
+/// Parses `IDEM_API_KEYS` without echoing it: clap's own errors quote the value given, which is every key.
+#[derive(Clone, Copy, Debug)]
+pub struct ApiKeysParser;
+
+impl clap::builder::TypedValueParser for ApiKeysParser {
+    type Value = ApiKeys;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        _arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<ApiKeys, clap::Error> {
+        let refuse = |why: String| {
+            let mut cmd = cmd.clone();
+            cmd.error(clap::error::ErrorKind::ValueValidation, format!("invalid --api-keys / IDEM_API_KEYS: {why}"))
+        };
+        let text = value.to_str().ok_or_else(|| refuse("not UTF-8".into()))?;
+        ApiKeys::parse(text).map_err(refuse)
     }
 }
 
@@ -176,7 +225,7 @@ pub struct ServeArgs {
     #[arg(long, env = "ADMIN_ADDR", default_value = "127.0.0.1:9090")]
     pub admin_addr: SocketAddr,
     /// API keys: `merchant_a:key_a,merchant_b:key_b`.
-    #[arg(long, env = "IDEM_API_KEYS", default_value = "", value_parser = ApiKeys::parse, hide_default_value = true, hide_env_values = true)]
+    #[arg(long, env = "IDEM_API_KEYS", default_value = "", value_parser = ApiKeysParser, hide_default_value = true, hide_env_values = true)]
     pub api_keys: ApiKeys,
     #[command(flatten)]
     pub orders: OrdersArgs,

@@ -20,8 +20,8 @@ pub struct PayArgs {
     #[arg(long, env = "IDEM_URL", default_value = "http://127.0.0.1:8080")]
     pub url: String,
     /// API key (Bearer).
-    #[arg(long, env = "IDEM_API_KEY", hide_env_values = true)]
-    pub api_key: String,
+    #[arg(long, env = "IDEM_API_KEY", hide_env_values = true, value_parser = |s: &str| Ok::<_, String>(crate::config::Secret(s.to_owned())))]
+    pub api_key: crate::config::Secret,
     #[arg(long)]
     pub amount: String,
     #[arg(long, default_value = "EUR")]
@@ -41,7 +41,7 @@ pub struct PayArgs {
 }
 
 pub async fn pay(args: PayArgs) -> anyhow::Result<()> {
-    let client = IdemClient::new(&args.url, &args.api_key, RetryPolicy::default())?;
+    let client = IdemClient::new(&args.url, &args.api_key.0, RetryPolicy::default())?;
     let key = args.idempotency_key.unwrap_or_else(IdemClient::new_key);
     let request = ChargeRequest {
         order_id: args.order_id.unwrap_or_else(Uuid::now_v7),
@@ -71,10 +71,10 @@ pub async fn pay(args: PayArgs) -> anyhow::Result<()> {
 pub struct DemoArgs {
     #[arg(long, env = "IDEM_URL", default_value = "http://127.0.0.1:8080")]
     pub url: String,
-    #[arg(long, env = "IDEM_API_KEY", hide_env_values = true)]
-    pub api_key: String,
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    pub database_url: String,
+    #[arg(long, env = "IDEM_API_KEY", hide_env_values = true, value_parser = |s: &str| Ok::<_, String>(crate::config::Secret(s.to_owned())))]
+    pub api_key: crate::config::Secret,
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, value_parser = |s: &str| Ok::<_, String>(crate::config::DatabaseUrl(s.to_owned())))]
+    pub database_url: crate::config::DatabaseUrl,
     #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
     pub kafka_brokers: String,
     #[arg(long, env = "KAFKA_ORDERS_TOPIC", default_value = "orders")]
@@ -122,8 +122,8 @@ async fn send(
 }
 
 pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
-    let client = IdemClient::new(&args.url, &args.api_key, RetryPolicy::default())?;
-    let pool = sqlx::PgPool::connect(&args.database_url).await.context("connecting to the database")?;
+    let client = IdemClient::new(&args.url, &args.api_key.0, RetryPolicy::default())?;
+    let pool = sqlx::PgPool::connect(&args.database_url.0).await.context("connecting to the database")?;
     let producer: FutureProducer = idem_kafka::ProducerSettings::new(&args.kafka_brokers).client_config().create()?;
     let mut rows = Vec::new();
     let charge = |external: &str, amount: &str| ChargeRequest {

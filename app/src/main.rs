@@ -210,6 +210,53 @@ mod tests {
         assert!(err.contains(message), "{extra:?}: expected {message:?} in {err}");
     }
 
+    /// Issue 23.6: no secret reaches an error, a log line or `Debug` output: a parse error of the API keys
+    /// (clap echoed the whole value), a password in the URL's query or with an `@` in it, the API key and
+    /// URL of `idem pay`/`idem demo`.
+    #[test]
+    fn secrets_never_reach_errors_or_debug_output() {
+        let err = serve_with(&["--api-keys", "a:alpha_key_123456,b:short"]).expect_err("a short key is refused");
+        assert!(!err.contains("alpha_key_123456"), "{err}");
+        assert!(err.contains("IDEM_API_KEYS"), "{err}");
+        for (url, secret) in [
+            ("postgres://u:s3cret@h/db", "s3cret"),
+            ("postgres://u:p@ss@h/db", "p@ss"),
+            ("postgres://u@h/db?password=s3cret&sslmode=require", "s3cret"),
+            ("postgres://h/db?user=u&password=s3cret", "s3cret"),
+        ] {
+            let shown = config::redact_url(url);
+            assert!(!shown.contains(secret), "{url} shown as {shown}");
+        }
+        let serve = Cli::try_parse_from([
+            "idem",
+            "serve",
+            "--database-url",
+            "postgres://u@h/db?password=s3cret",
+            "--api-keys",
+            "m:key_0123456789",
+        ])
+        .expect("parses");
+        assert!(!format!("{serve:?}").contains("s3cret"), "{serve:?}");
+        assert!(!format!("{serve:?}").contains("key_0123456789"), "{serve:?}");
+        let pay =
+            Cli::try_parse_from(["idem", "pay", "--api-key", "pay_key_0123456789", "--amount", "1"]).expect("parses");
+        assert!(!format!("{pay:?}").contains("pay_key_0123456789"), "{pay:?}");
+        let demo = Cli::try_parse_from([
+            "idem",
+            "demo",
+            "--api-key",
+            "demo_key_0123456789",
+            "--database-url",
+            "postgres://u:s3cret@h/db",
+        ])
+        .expect("parses");
+        assert!(!format!("{demo:?}").contains("demo_key_0123456789"), "{demo:?}");
+        assert!(!format!("{demo:?}").contains("s3cret"), "{demo:?}");
+        let client = idem_http::client::IdemClient::new("http://h", "client_key_0123456789", Default::default())
+            .expect("client");
+        assert!(!format!("{client:?}").contains("client_key_0123456789"), "{client:?}");
+    }
+
     /// Issue 24.8: the merchant of order-event payments may not be an API merchant.
     #[test]
     fn the_orders_merchant_cannot_be_an_api_merchant() {
