@@ -274,6 +274,16 @@ pub struct ServeArgs {
     /// what the layer costs. Never run a real service with it.
     #[arg(long, env = "IDEMPOTENCY_LAYER", value_enum, default_value = "on")]
     pub idempotency_layer: LayerSwitch,
+    /// Longest time a client may take to send a request head; also how long an idle keep-alive connection
+    /// is kept (slow or half-sent requests are disconnected).
+    #[arg(long, env = "HTTP_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub http_header_read_timeout: Duration,
+    /// Longest time a client may take to send a request body (nothing runs before it is complete).
+    #[arg(long, env = "HTTP_BODY_READ_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub http_body_read_timeout: Duration,
+    /// Most HTTP connections open at once on each listener; further clients wait in the listen backlog.
+    #[arg(long, env = "HTTP_MAX_CONNECTIONS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub http_max_connections: u32,
     /// Longest graceful drain after SIGINT/SIGTERM before the process exits anyway.
     #[arg(long, env = "SHUTDOWN_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
@@ -300,6 +310,9 @@ impl ServeArgs {
         }
         if self.idempotency_wait > Duration::from_secs(30) || self.idempotency_wait.is_zero() {
             return Err("IDEMPOTENCY_WAIT must be between 1ms and 30s".into());
+        }
+        if self.http_header_read_timeout.is_zero() || self.http_body_read_timeout.is_zero() {
+            return Err("HTTP_HEADER_READ_TIMEOUT and HTTP_BODY_READ_TIMEOUT must be positive".into());
         }
         if self.cleanup_interval < Duration::from_secs(1) {
             return Err("CLEANUP_INTERVAL must be at least 1s".into());

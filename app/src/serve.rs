@@ -67,6 +67,14 @@ async fn spawn_relay(
     Ok(())
 }
 
+fn http_limits(args: &ServeArgs) -> idem_http::server::ServerLimits {
+    idem_http::server::ServerLimits {
+        header_read_timeout: args.http_header_read_timeout,
+        body_read_timeout: args.http_body_read_timeout,
+        max_connections: args.http_max_connections as usize,
+    }
+}
+
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     init_tracing(args.log_json);
     args.validate().map_err(anyhow::Error::msg)?;
@@ -216,17 +224,18 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     {
         tracing::info!(addr = %admin_listener.local_addr()?, "admin listener (readyz, metrics)");
         let (token, admin) = (shutdown.clone(), ops::router(ops));
+        let limits = http_limits(&args);
         group.spawn("admin http", async move {
-            axum::serve(admin_listener, admin).with_graceful_shutdown(async move { token.cancelled().await }).await?;
+            idem_http::server::serve(admin_listener, admin, limits, token).await?;
             Ok(())
         });
     }
 
     {
         tracing::info!(addr = %listener.local_addr()?, "HTTP API listening");
-        let token = shutdown.clone();
+        let (token, limits) = (shutdown.clone(), http_limits(&args));
         group.spawn("http", async move {
-            axum::serve(listener, app).with_graceful_shutdown(async move { token.cancelled().await }).await?;
+            idem_http::server::serve(listener, app, limits, token).await?;
             Ok(())
         });
     }

@@ -367,6 +367,57 @@ async fn a_redrive_killed_before_the_broker_acked_can_be_redriven_later() -> any
     Ok(())
 }
 
+/// Issue 23.7: 300 connections that send half a request header are disconnected after the header-read
+/// timeout, an idle keep-alive connection too, and a normal client is served meanwhile. `axum::serve` kept
+/// them all open for ever (no timer in hyper), until descriptors ran out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_sent_requests_are_disconnected_and_others_are_served() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&db.url, &brokers).with_env("HTTP_HEADER_READ_TIMEOUT", "1s");
+    service.start().await?;
+    let addr = service.base.trim_start_matches("http://").to_owned();
+    let mut half_sent = Vec::new();
+    for _ in 0..300 {
+        let mut s = tokio::net::TcpStream::connect(&addr).await?;
+        s.write_all(b"POST /payments HTTP/1.1\r\nHost: idem\r\nContent-Le").await?;
+        half_sent.push(s);
+    }
+    // an idle keep-alive connection after one request
+    let mut idle = tokio::net::TcpStream::connect(&addr).await?;
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: idem\r\n\r\n").await?;
+    let mut first = [0u8; 256];
+    let n = idle.read(&mut first).await?;
+    assert!(
+        String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&first[..n])
+    );
+    let healthy = reqwest::get(format!("{}/healthz", service.base)).await?;
+    assert_eq!(healthy.status(), 200, "a normal client was not served beside 300 half-sent requests");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut open = 0;
+    for mut s in half_sent.into_iter().chain([idle]) {
+        let mut buf = [0u8; 512];
+        // the server closed it: EOF (or a 408 and then EOF) at once; still open: the read waits
+        let closed = loop {
+            match tokio::time::timeout(Duration::from_millis(300), s.read(&mut buf)).await {
+                Err(_) => break false,
+                Ok(Ok(0)) | Ok(Err(_)) => break true,
+                Ok(Ok(_)) => continue,
+            }
+        };
+        if !closed {
+            open += 1;
+        }
+    }
+    assert_eq!(open, 0, "connections still open after the header-read timeout");
+    let healthy = reqwest::get(format!("{}/healthz", service.base)).await?;
+    assert_eq!(healthy.status(), 200);
+    Ok(())
+}
+
 /// A poison row is listed as quarantined with its attempts and error; `retry` releases it.
 #[tokio::test]
 async fn quarantined_outbox_rows_are_listed_and_retried() -> anyhow::Result<()> {

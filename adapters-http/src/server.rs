@@ -1,0 +1,98 @@
+//! Serving a router with the bounds a public listener needs, which `axum::serve` does not set.
+//!
+//! `axum::serve` runs hyper without a timer: a client that sends half a request header keeps its connection
+//! (and its file descriptor) for ever, and nothing bounds how many connections are open. Hundreds of such
+//! clients exhaust the descriptors, and with them new database connections. Here:
+//!
+//! - **header-read timeout** (hyper's, with a timer): a request head not complete within it closes the
+//!   connection; it also bounds how long a keep-alive connection may sit idle waiting for its next request;
+//! - **body-read timeout** (`tower_http`'s `RequestBodyTimeoutLayer`): a body not read within it fails the
+//!   request before anything runs (the idempotency layer reads the whole body before it claims a key, so
+//!   nothing is stored and the key stays free);
+//! - **connection limit**: at most `max_connections` at once; further clients wait in the listen backlog;
+//! - **graceful shutdown**: on cancel the listener closes and open connections finish their requests.
+//!
+//! Handlers are not given a total time limit: cutting one off mid-commit would answer as if nothing ran.
+//! Their database work is bounded by the pool's acquire and statement timeouts instead.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+/// The bounds of a listener.
+#[derive(Debug, Clone, Copy)]
+pub struct ServerLimits {
+    /// Longest time to receive a request head (and longest idle time of a keep-alive connection).
+    pub header_read_timeout: Duration,
+    /// Longest time to receive a request body.
+    pub body_read_timeout: Duration,
+    /// Most connections open at once.
+    pub max_connections: usize,
+}
+
+impl Default for ServerLimits {
+    /// 10 s for a head and for a body, 1,024 connections.
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(10),
+            max_connections: 1024,
+        }
+    }
+}
+
+/// Serves `router` on `listener` within `limits` until `shutdown` is cancelled, then lets open connections
+/// finish (the caller bounds how long it waits for that).
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: ServerLimits,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let router = router.layer(tower_http::timeout::RequestBodyTimeoutLayer::new(limits.body_read_timeout));
+    let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let graceful = GracefulShutdown::new();
+    loop {
+        let permit = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            permit = permits.clone().acquire_owned() => match permit {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+        };
+        let stream = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // out of descriptors and the like: wait a moment rather than spin
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let connection = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(limits.header_read_timeout)
+            .serve_connection(TokioIo::new(stream), TowerToHyperService::new(router.clone()));
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
