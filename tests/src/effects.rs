@@ -50,6 +50,29 @@ pub async fn log_order_applications(db: &TestDb) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Logs every payment insert the charge use case proposes (`test_payment_attempt`), in its transaction: a
+/// charge executed twice proposes twice even when `UNIQUE (provider, external_payment_id)` then keeps one
+/// payment, so this counts executions of the HTTP handler and of order events, not surviving rows.
+pub async fn log_payment_attempts(db: &TestDb) -> anyhow::Result<()> {
+    sqlx::raw_sql(
+        "CREATE TABLE test_payment_attempt (n bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, external_payment_id text NOT NULL);
+         CREATE FUNCTION test_payment_attempt_log() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN INSERT INTO test_payment_attempt (external_payment_id) VALUES (NEW.external_payment_id); RETURN NEW; END $$;
+         CREATE TRIGGER test_payment_attempt_log BEFORE INSERT ON payment
+             FOR EACH ROW EXECUTE FUNCTION test_payment_attempt_log();",
+    )
+    .execute(db.pool())
+    .await?;
+    Ok(())
+}
+
+/// Provider payment ids whose charge was executed (committed) more than once, with their counts.
+pub async fn charges_executed_twice(db: &TestDb) -> anyhow::Result<Vec<(String, i64)>> {
+    Ok(sqlx::query_as("SELECT external_payment_id, count(*) FROM test_payment_attempt GROUP BY 1 HAVING count(*) > 1")
+        .fetch_all(db.pool())
+        .await?)
+}
+
 /// How many times the event `event_id` was applied by a [`CountingHandler`].
 pub async fn applications_of_event(db: &TestDb, event_id: Uuid) -> anyhow::Result<i64> {
     Ok(sqlx::query_scalar("SELECT count(*) FROM test_application WHERE event_id = $1")

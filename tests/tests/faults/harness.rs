@@ -254,6 +254,7 @@ pub async fn scenario_db() -> anyhow::Result<TestDb> {
     let db = TestDb::new().await?;
     db.log_outbox_rows().await?;
     idem_tests::effects::log_order_applications(&db).await?;
+    idem_tests::effects::log_payment_attempts(&db).await?;
     Ok(db)
 }
 
@@ -298,6 +299,15 @@ pub async fn check(
             .await?;
     for (payment, n) in refunds {
         f.dup(format!("payment {payment} refunded {n} times"));
+    }
+    // executions, not survivors: each charge (HTTP or order event) executed once in a committed transaction,
+    // which UNIQUE (provider, external_payment_id) alone would hide
+    let payments_logged: bool =
+        sqlx::query_scalar("SELECT to_regclass('test_payment_attempt') IS NOT NULL").fetch_one(db.pool()).await?;
+    if payments_logged {
+        for (external, n) in idem_tests::effects::charges_executed_twice(db).await? {
+            f.dup(format!("charge {external} executed {n} times"));
+        }
     }
     // applications, not survivors: each order event applied once. The scenarios send one OrderPlaced id
     // per order (some delivered twice) and, for a cancelled order, two OrderCancelled events with distinct

@@ -185,7 +185,9 @@ async fn conflict_status_can_follow_the_ietf_draft() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn fifty_concurrent_identical_requests_create_one_payment() -> anyhow::Result<()> {
-    let api = Arc::new(spawn().await?);
+    let db = TestDb::new().await?;
+    idem_tests::effects::log_payment_attempts(&db).await?;
+    let api = Arc::new(spawn_with(db, StatusCode::CONFLICT).await?);
     let body = charge_body("pi_storm", "50.00");
     let mut tasks = Vec::new();
     for _ in 0..50 {
@@ -213,6 +215,8 @@ async fn fifty_concurrent_identical_requests_create_one_payment() -> anyhow::Res
     assert!(ok >= 1);
     assert_eq!(bodies.len(), 1, "every success is the same payment");
     assert_eq!(api.db.count("payment").await?, 1);
+    // executions, not surviving rows: the unique provider id alone would also leave one payment
+    assert_eq!(api.db.count("test_payment_attempt").await?, 1, "the charge was executed more than once");
     assert_eq!(api.db.count("idempotency_record").await?, 1);
     Ok(())
 }
