@@ -49,6 +49,48 @@ pub fn redact_url(url: &str) -> String {
     format!("{base}?{}", params.join("&"))
 }
 
+/// The secret settings that may also come from a file named by `<VARIABLE>_FILE` (the container and
+/// orchestrator convention: a mounted secret instead of a value in the environment).
+pub const FILE_SECRETS: [(&str, &str); 3] =
+    [("DATABASE_URL", "database_url"), ("IDEM_API_KEYS", "api_keys"), ("IDEM_API_KEY", "api_key")];
+
+/// Applies `<VARIABLE>_FILE` to `cmd` and every subcommand that has the setting: when the variable itself is
+/// not set and the file variable is, the file's content (one trailing newline dropped) becomes the
+/// setting's default. A flag on the command line still wins. `env` looks a variable up; a file that
+/// cannot be read is an error naming the variable and the path, never the content.
+pub fn with_secret_files(
+    mut cmd: clap::Command,
+    env: &impl Fn(&str) -> Option<String>,
+) -> Result<clap::Command, String> {
+    for (variable, id) in FILE_SECRETS {
+        if env(variable).is_some() {
+            continue;
+        }
+        let Some(path) = env(&format!("{variable}_FILE")) else { continue };
+        let content =
+            std::fs::read_to_string(&path).map_err(|e| format!("{variable}_FILE: cannot read {path}: {}", e.kind()))?;
+        let value =
+            content.strip_suffix('\n').map(|v| v.strip_suffix('\r').unwrap_or(v)).unwrap_or(&content).to_owned();
+        cmd = set_default(cmd, id, &value);
+    }
+    Ok(cmd)
+}
+
+fn set_default(cmd: clap::Command, id: &str, value: &str) -> clap::Command {
+    let has = cmd.get_arguments().any(|a| a.get_id() == id);
+    let mut cmd = if has {
+        let value = value.to_owned();
+        cmd.mut_arg(id, move |a| a.default_value(value).hide_default_value(true).required(false))
+    } else {
+        cmd
+    };
+    let names: Vec<String> = cmd.get_subcommands().map(|s| s.get_name().to_owned()).collect();
+    for name in names {
+        cmd = cmd.mut_subcommand(name, |sub| set_default(sub, id, value));
+    }
+    cmd
+}
+
 /// A secret setting (an API key): kept as given, shown as `***` by `Debug`.
 #[derive(Clone)]
 pub struct Secret(pub String);

@@ -159,9 +159,23 @@ async fn migrate(db: DbArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The command line, with `<VARIABLE>_FILE` secrets applied ([`config::with_secret_files`]).
+fn parse_cli() -> Cli {
+    use clap::{CommandFactory, FromArgMatches};
+    let cmd = match config::with_secret_files(Cli::command(), &|name| std::env::var(name).ok()) {
+        Ok(cmd) => cmd,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
+    let matches = cmd.get_matches();
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = parse_cli();
     let result = match cli.command {
         Command::Serve(args) => serve::serve(*args).await,
         Command::Migrate(db) => migrate(db).await,
@@ -255,6 +269,45 @@ mod tests {
         let client = idem_http::client::IdemClient::new("http://h", "client_key_0123456789", Default::default())
             .expect("client");
         assert!(!format!("{client:?}").contains("client_key_0123456789"), "{client:?}");
+    }
+
+    /// Issue 23.6: every secret setting also comes from a `*_FILE` (a mounted secret), the command line still
+    /// wins, and an unreadable file is named without any content.
+    #[test]
+    fn secrets_come_from_files() {
+        use clap::{CommandFactory, FromArgMatches};
+        let dir = std::env::temp_dir().join(format!("idem-secrets-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let (url, keys) = (dir.join("url"), dir.join("keys"));
+        std::fs::write(&url, "postgres://u:from_file@h/db\n").expect("write");
+        std::fs::write(&keys, "m:file_key_0123456789\n").expect("write");
+        let env = |name: &str| match name {
+            "DATABASE_URL_FILE" => Some(url.display().to_string()),
+            "IDEM_API_KEYS_FILE" => Some(keys.display().to_string()),
+            _ => None,
+        };
+        let cmd = config::with_secret_files(Cli::command(), &env).expect("files read");
+        let matches = cmd.try_get_matches_from(["idem", "serve"]).expect("parses without flags");
+        let Cli { command: Command::Serve(args) } = Cli::from_arg_matches(&matches).expect("cli") else {
+            panic!("serve")
+        };
+        assert_eq!(args.db.database_url.0, "postgres://u:from_file@h/db");
+        assert_eq!(args.api_keys.merchant("file_key_0123456789").map(|m| m.0.to_string()), Some("m".into()));
+        let cmd = config::with_secret_files(Cli::command(), &env).expect("files read");
+        let matches =
+            cmd.try_get_matches_from(["idem", "migrate", "--database-url", "postgres://flag@h/db"]).expect("parses");
+        let Cli { command: Command::Migrate(db) } = Cli::from_arg_matches(&matches).expect("cli") else {
+            panic!("migrate")
+        };
+        assert_eq!(db.database_url.0, "postgres://flag@h/db", "the flag wins over the file");
+        // --help never shows a secret read from a file
+        let mut cmd = config::with_secret_files(Cli::command(), &env).expect("files read");
+        let help = cmd.find_subcommand_mut("serve").expect("serve").render_long_help().to_string();
+        assert!(!help.contains("from_file") && !help.contains("file_key_0123456789"), "{help}");
+        let missing = |name: &str| (name == "DATABASE_URL_FILE").then(|| "/nonexistent/secret".to_owned());
+        let err = config::with_secret_files(Cli::command(), &missing).expect_err("unreadable file");
+        assert!(err.contains("DATABASE_URL_FILE") && err.contains("/nonexistent/secret"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// Issue 24.8: the merchant of order-event payments may not be an API merchant.
