@@ -57,7 +57,9 @@ fn digest(key: &str) -> [u8; 32] {
 
 impl ApiKeys {
     /// Parses `merchant_a:key_a,merchant_b:key_b`. Merchant names are 1–64 characters of `A-Z a-z 0-9 _ -`;
-    /// keys are at least 8 printable ASCII characters and unique.
+    /// keys are at least 8 printable ASCII characters and unique. A key may be given as its SHA-256 digest,
+    /// `merchant:sha256:<64 hex digits>`, so that the configuration holds no usable key (only the digest
+    /// is ever kept either way).
     pub fn parse(s: &str) -> Result<Self, String> {
         let mut by_digest = HashMap::new();
         for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
@@ -69,10 +71,18 @@ impl ApiKeys {
             if !name_ok {
                 return Err("IDEM_API_KEYS merchant names must be 1-64 characters of A-Z, a-z, 0-9, '_' or '-'".into());
             }
-            if key.len() < 8 || key.len() > 256 || !key.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+            let given_digest = key
+                .strip_prefix("sha256:")
+                .filter(|h| h.len() == 64)
+                .and_then(|h| hex::decode(h).ok())
+                .and_then(|d| <[u8; 32]>::try_from(d).ok());
+            if given_digest.is_none()
+                && (key.len() < 8 || key.len() > 256 || !key.bytes().all(|b| (0x21..=0x7e).contains(&b)))
+            {
                 return Err(format!("IDEM_API_KEYS key of merchant {merchant} must be 8 to 256 printable characters"));
             }
-            if by_digest.insert(digest(key), Merchant(merchant.into())).is_some() {
+            let digest = given_digest.unwrap_or_else(|| digest(key));
+            if by_digest.insert(digest, Merchant(merchant.into())).is_some() {
                 return Err(format!("IDEM_API_KEYS gives the same key twice (merchant {merchant})"));
             }
         }
@@ -142,6 +152,19 @@ fn bearer_token(value: &str) -> Option<&str> {
 
 #[cfg(test)]
 mod tests {
+    /// Issue 23.6: a key configured as its SHA-256 digest authenticates the key itself; the digest text
+    /// does not.
+    #[test]
+    fn keys_may_be_configured_as_sha256_digests() {
+        let digest = hex::encode(Sha256::digest(b"real_key_0123456789"));
+        let keys = ApiKeys::parse(&format!("m:sha256:{digest},n:plain_key_0123")).expect("parses");
+        assert_eq!(keys.merchant("real_key_0123456789").map(|m| &*m.0), Some("m"));
+        assert!(keys.merchant(&format!("sha256:{digest}")).is_none());
+        assert_eq!(keys.merchant("plain_key_0123").map(|m| &*m.0), Some("n"));
+        let same = ApiKeys::parse(&format!("m:sha256:{digest},n:real_key_0123456789"));
+        assert!(same.expect_err("the same key twice").contains("same key twice"));
+    }
+
     #[test]
     fn the_bearer_scheme_is_case_insensitive() {
         for v in ["Bearer k_123", "bearer k_123", "BEARER k_123", "bEaReR   k_123 "] {
