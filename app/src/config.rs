@@ -168,7 +168,7 @@ pub enum LayerSwitch {
 #[derive(Debug, Clone, Args)]
 pub struct DbArgs {
     /// PostgreSQL connection URL.
-    #[arg(long, env = "DATABASE_URL", value_parser = |s: &str| Ok::<_, String>(DatabaseUrl(s.to_owned())))]
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, value_parser = |s: &str| Ok::<_, String>(DatabaseUrl(s.to_owned())))]
     pub database_url: DatabaseUrl,
     /// Largest number of pooled database connections.
     #[arg(long, env = "DATABASE_MAX_CONNECTIONS", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1000))]

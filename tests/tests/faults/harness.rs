@@ -83,6 +83,32 @@ impl Service {
     }
 
     #[allow(dead_code)] // used by the ops tests, which share this harness
+    /// `idem serve` with its log at info level captured: started, checked healthy, stopped with SIGTERM; or,
+    /// when it does not start, what it printed before exiting. Returns stdout and stderr together.
+    pub async fn serve_output(&self) -> anyhow::Result<String> {
+        let mut cmd = Command::new(idem_bin());
+        cmd.arg("serve").stdout(Stdio::piped()).stderr(Stdio::piped());
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        cmd.env("RUST_LOG", "info");
+        let mut child = cmd.spawn()?;
+        let pid = child.id().to_string();
+        let http = reqwest::Client::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while tokio::time::Instant::now() < deadline && child.try_wait()?.is_none() {
+            if http.get(format!("{}/healthz", self.base)).send().await.is_ok() {
+                let _ = http.get(format!("{}/readyz", self.admin)).send().await;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        let out = tokio::task::spawn_blocking(move || child.wait_with_output()).await??;
+        Ok(format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    }
+
+    #[allow(dead_code)] // used by the ops tests, which share this harness
     /// `idem <args>` started in the background (to be killed mid-way).
     pub fn idem_spawn(&self, args: &[&str]) -> anyhow::Result<std::process::Child> {
         let mut cmd = Command::new(idem_bin());

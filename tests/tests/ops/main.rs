@@ -418,6 +418,38 @@ async fn half_sent_requests_are_disconnected_and_others_are_served() -> anyhow::
     Ok(())
 }
 
+/// Issue 23.6: no secret reaches the output of real runs. A database password (in the user-info, with an
+/// `@`, and as a query parameter: the local server trusts loopback, so any password works) and the API
+/// keys are grepped for in everything `idem serve` prints at info level with a valid configuration, with
+/// an invalid one, and in `--help`.
+#[tokio::test]
+async fn no_secret_reaches_the_output_of_valid_or_invalid_runs() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let (user_pw, query_pw, key) = ("pw@with@ats_71", "querypw_8812", "zz_secret_key_5531");
+    let with_password = db.url.replacen("postgres://postgres@", &format!("postgres://postgres:{user_pw}@"), 1);
+    anyhow::ensure!(with_password != db.url, "cannot add a password to {}", db.url);
+    let url = format!("{with_password}?password={query_pw}");
+    let valid = Service::new(&url, &brokers).with_env("IDEM_API_KEYS", &format!("faults:{key}"));
+    let invalid = Service::new(&url, &brokers).with_env("IDEM_API_KEYS", &format!("faults:{key},other:short"));
+    let bad_url = Service::new(&format!("{with_password}?password={query_pw}&sslmode=bogus"), &brokers)
+        .with_env("IDEM_API_KEYS", &format!("faults:{key}"));
+    let mut outputs = Vec::new();
+    for service in [&valid, &invalid, &bad_url] {
+        outputs.push(service.serve_output().await?);
+    }
+    let help = valid.idem(&["serve", "--help"])?;
+    outputs.push(format!("{}{}", String::from_utf8_lossy(&help.stdout), String::from_utf8_lossy(&help.stderr)));
+    assert!(outputs[0].contains("HTTP API listening"), "the valid run did not start: {}", outputs[0]);
+    assert!(outputs[1].contains("IDEM_API_KEYS"), "the invalid run did not say why: {}", outputs[1]);
+    for (i, out) in outputs.iter().enumerate() {
+        for secret in [user_pw, "with@ats", query_pw, key] {
+            assert!(!out.contains(secret), "run {i} printed the secret {secret}:\n{out}");
+        }
+    }
+    Ok(())
+}
+
 /// A poison row is listed as quarantined with its attempts and error; `retry` releases it.
 #[tokio::test]
 async fn quarantined_outbox_rows_are_listed_and_retried() -> anyhow::Result<()> {
