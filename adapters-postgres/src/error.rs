@@ -27,13 +27,17 @@ pub fn map_sqlx_error(err: sqlx::Error) -> StoreError {
 /// SQLSTATEs that say nothing about the data: the same statement can succeed later. Connection exceptions
 /// (08), statement timeout and operator intervention (57014, 57P01–57P03), insufficient resources such as
 /// out of memory, disk full, too many connections or out of shared memory (53), system I/O errors (58),
-/// internal errors (XX000) and read-only after a failover (25006). Anything classed here is retried with
+/// internal errors (XX000), read-only after a failover (25006), and a prepared statement that a pooler's
+/// server connection already has or lacks (42P05, 26000). Anything classed here is retried with
 /// backoff and never blamed on an event or request.
 pub fn is_transient_sqlstate(code: &str) -> bool {
     code.starts_with("08")
         || code.starts_with("53")
         || code.starts_with("58")
         || matches!(code, "57014" | "57P01" | "57P02" | "57P03" | "25006" | "XX000")
+        // behind a transaction pooler (PgBouncer) a named prepared statement can meet a server connection
+        // that has it already or lacks it: the connection's trouble, never the event's
+        || matches!(code, "26000" | "42P05")
 }
 
 #[cfg(test)]
@@ -42,7 +46,10 @@ mod tests {
 
     #[test]
     fn resource_and_server_trouble_is_transient_and_data_errors_are_not() {
-        for code in ["08006", "08001", "57014", "57P01", "53100", "53200", "53300", "58030", "XX000", "25006"] {
+        for code in [
+            "08006", "08001", "08P01", "57014", "57P01", "53100", "53200", "53300", "58030", "XX000", "25006", "26000",
+            "42P05",
+        ] {
             assert!(is_transient_sqlstate(code), "{code}");
         }
         for code in ["23505", "23514", "22003", "22P02", "42P01", "40001", "55P03"] {
