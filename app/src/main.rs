@@ -273,6 +273,22 @@ mod tests {
 
     /// Issue 23.6: every secret setting also comes from a `*_FILE` (a mounted secret), the command line still
     /// wins, and an unreadable file is named without any content.
+    /// The command without its environment fallbacks for the secret settings (the test run's own
+    /// `DATABASE_URL` would otherwise win, as it should in production).
+    fn without_secret_env(cmd: clap::Command) -> clap::Command {
+        let mut cmd = cmd;
+        for (_, id) in config::FILE_SECRETS {
+            if cmd.get_arguments().any(|a| a.get_id() == id) {
+                cmd = cmd.mut_arg(id, |a| a.env(None::<&str>));
+            }
+        }
+        let names: Vec<String> = cmd.get_subcommands().map(|s| s.get_name().to_owned()).collect();
+        for name in names {
+            cmd = cmd.mut_subcommand(name, without_secret_env);
+        }
+        cmd
+    }
+
     #[test]
     fn secrets_come_from_files() {
         use clap::{CommandFactory, FromArgMatches};
@@ -286,7 +302,7 @@ mod tests {
             "IDEM_API_KEYS_FILE" => Some(keys.display().to_string()),
             _ => None,
         };
-        let cmd = config::with_secret_files(Cli::command(), &env).expect("files read");
+        let cmd = config::with_secret_files(without_secret_env(Cli::command()), &env).expect("files read");
         let matches = cmd.try_get_matches_from(["idem", "serve"]).expect("parses without flags");
         let Cli { command: Command::Serve(args) } = Cli::from_arg_matches(&matches).expect("cli") else {
             panic!("serve")
