@@ -51,20 +51,13 @@ pub async fn ensure_topics(
     let admin: AdminClient<DefaultClientContext> =
         ClientConfig::new().set("bootstrap.servers", brokers).create().map_err(|e| format!("admin client: {e}"))?;
     // librdkafka's metadata call blocks: off the async workers (a broker outage must not stall HTTP)
-    let bootstrap = brokers.to_owned();
-    let cluster = tokio::task::spawn_blocking(move || {
-        let client: AdminClient<DefaultClientContext> = ClientConfig::new()
-            .set("bootstrap.servers", &bootstrap)
-            .create()
-            .map_err(|e| format!("admin client: {e}"))?;
-        let metadata = client
-            .inner()
-            .fetch_metadata(None, Duration::from_secs(10))
-            .map_err(|e| format!("cluster metadata: {e}"))?;
-        Ok::<usize, String>(metadata.brokers().len())
+    let (admin, cluster) = tokio::task::spawn_blocking(move || {
+        let brokers = admin.inner().fetch_metadata(None, Duration::from_secs(10)).map(|m| m.brokers().len());
+        (admin, brokers)
     })
     .await
-    .map_err(|e| format!("cluster metadata: {e}"))??;
+    .map_err(|e| format!("cluster metadata: {e}"))?;
+    let cluster = cluster.map_err(|e| format!("cluster metadata: {e}"))?;
     let factor = replication.factor(cluster);
     tracing::info!(replication_factor = factor, brokers = cluster, ?replication, "creating missing topics");
     let new: Vec<NewTopic<'_>> =

@@ -252,7 +252,6 @@ impl PgStore {
     /// Records a re-drive after the broker acknowledged the message: `false` if it was recorded already
     /// (a concurrent re-drive of the same dead letter; its two copies share the event_id).
     pub async fn record_redrive(&self, r: &Redrive) -> Result<bool, StoreError> {
-        let mut tx = self.pool().begin().await.map_err(map_sqlx_error)?;
         let inserted = sqlx::query!(
             r#"INSERT INTO dlq_redrive (dlq_topic, dlq_partition, dlq_offset, event_id, source_topic, reason,
                                         redriven_by, redriven_at, admitted_late)
@@ -268,10 +267,9 @@ impl PgStore {
             r.at,
             r.admitted_late,
         )
-        .execute(&mut *tx)
+        .execute(self.pool())
         .await
         .map_err(map_sqlx_error)?;
-        tx.commit().await.map_err(map_sqlx_error)?;
         Ok(inserted.rows_affected() == 1)
     }
 

@@ -38,8 +38,8 @@ pub struct Wanted<'a> {
     pub accept: &'a [String],
 }
 
-fn hours(ttl: TtlPolicy) -> String {
-    format!("{}h", ttl.ttl().as_secs() / 3600)
+fn hours(d: std::time::Duration) -> String {
+    format!("{}h", d.as_secs() / 3600)
 }
 
 fn parse_hours(v: &str) -> Option<std::time::Duration> {
@@ -111,21 +111,17 @@ pub async fn check(store: &PgStore, wanted: &Wanted<'_>, now: DateTime<Utc>) -> 
                     (Some(p), Some(f)) if p < f => Some(p),
                     (_, f) => f,
                 };
-                writes.push(set(
-                    name,
-                    hours(want),
-                    if raised { base.map(|b| format!("{}h", b.as_secs() / 3600)) } else { None },
-                ));
+                writes.push(set(name, hours(want.ttl()), if raised { base.map(hours) } else { None }));
                 match (raised, base) {
                     (true, Some(b)) => {
-                        tracing::warn!(from = %s.value, to = %hours(want), "retention raised: ids and keys dated before now keep the old limits until they no longer matter");
+                        tracing::warn!(from = %s.value, to = %hours(want.ttl()), "retention raised: ids and keys dated before now keep the old limits until they no longer matter");
                         want.raised_from(b, now)
                     }
                     _ => want,
                 }
             }
             None => {
-                writes.push(set(name, hours(want), None));
+                writes.push(set(name, hours(want.ttl()), None));
                 want
             }
         }

@@ -407,11 +407,11 @@ impl Runner {
         for m in batch {
             match m.to_event() {
                 // Ids without a time (v4) have no age to check: they are retained by processing time.
-                Ok(e) => match (idem_domain::uuid_v7_time(e.event_id), ttl.admission(now, idem_domain::uuid_v7_time(e.event_id))) {
-                    (_, Admission::Admitted) | (None, _) => events.push((m, e)),
+                Ok(e) => match idem_domain::uuid_v7_time(e.event_id).map(|t| (t, ttl.admission(now, Some(t)))) {
+                    None | Some((_, Admission::Admitted)) => events.push((m, e)),
                     // Its dedup row may already be gone: applying it could apply it twice.
-                    (Some(t), Admission::TooOld) => too_old.push((m, e, t)),
-                    (Some(t), Admission::FutureDated) => dead.push(DeadLetter {
+                    Some((t, Admission::TooOld)) => too_old.push((m, e, t)),
+                    Some((t, Admission::FutureDated)) => dead.push(DeadLetter {
                         message: m.clone(),
                         reason: FUTURE_DATED,
                         error: format!(
