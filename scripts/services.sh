@@ -107,7 +107,7 @@ stop_tansu() {
 
 case "${1:-start}" in
   start)
-    apt_install_missing cmake libcurl4-openssl-dev build-essential pkg-config prometheus faketime
+    apt_install_missing cmake libcurl4-openssl-dev libssl-dev build-essential pkg-config prometheus faketime stunnel4 pgbouncer openssl
     python3 -m pip --version >/dev/null 2>&1 || apt_install_missing python3 python3-pip
     start_postgres
     start_tansu

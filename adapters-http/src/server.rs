@@ -12,8 +12,11 @@
 //! - **connection limit**: at most `max_connections` at once; further clients wait in the listen backlog;
 //! - **graceful shutdown**: on cancel the listener closes and open connections finish their requests.
 //!
-//! Handlers are not given a total time limit: cutting one off mid-commit would answer as if nothing ran.
-//! Their database work is bounded by the pool's acquire and statement timeouts instead.
+//! - **request timeout**: a request not answered within it gets `503` (`outcome-unknown`) and its handler
+//!   is dropped: its transaction rolls back unless its COMMIT was already under way, so the outcome is
+//!   unknown and the client retries with the same `Idempotency-Key` (replayed if it committed). This is
+//!   the bound on a request whose database connection was black-holed mid-statement (a failover without
+//!   RST): without it the request, and its pool slot, would wait for the kernel (~15 min).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,15 +38,18 @@ pub struct ServerLimits {
     pub body_read_timeout: Duration,
     /// Most connections open at once.
     pub max_connections: usize,
+    /// Longest time from a complete request head to the response.
+    pub request_timeout: Duration,
 }
 
 impl Default for ServerLimits {
-    /// 10 s for a head and for a body, 1,024 connections.
+    /// 10 s for a head and for a body, 30 s for a response, 1,024 connections.
     fn default() -> Self {
         Self {
             header_read_timeout: Duration::from_secs(10),
             body_read_timeout: Duration::from_secs(10),
             max_connections: 1024,
+            request_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -56,7 +62,9 @@ pub async fn serve(
     limits: ServerLimits,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    let router = router.layer(tower_http::timeout::RequestBodyTimeoutLayer::new(limits.body_read_timeout));
+    let router = router
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(limits.body_read_timeout))
+        .layer(axum::middleware::from_fn_with_state(limits.request_timeout, answer_within));
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let graceful = GracefulShutdown::new();
     loop {
@@ -95,4 +103,29 @@ pub async fn serve(
     drop(listener);
     graceful.shutdown().await;
     Ok(())
+}
+
+/// Answers `503 outcome-unknown` when the rest of the stack has not answered within `limit` (the handler
+/// is dropped: see the module docs).
+async fn answer_within(
+    axum::extract::State(limit): axum::extract::State<Duration>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    match tokio::time::timeout(limit, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => {
+            tracing::warn!(limit = ?limit, "request not answered in time: dropped (rolled back unless its commit was under way)");
+            crate::problem::Problem::new(
+                crate::problem::ProblemKind::OutcomeUnknown,
+                http::StatusCode::SERVICE_UNAVAILABLE,
+            )
+            .detail(format!(
+                "the request was not answered within {} ms; retry with the same Idempotency-Key",
+                limit.as_millis()
+            ))
+            .into_response()
+        }
+    }
 }

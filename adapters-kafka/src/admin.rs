@@ -2,10 +2,11 @@
 
 use std::time::Duration;
 
-use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::error::RDKafkaErrorCode;
+
+use crate::client::KafkaConnection;
 
 /// The replication factor of the topics idem creates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,13 +44,13 @@ impl std::str::FromStr for Replication {
 /// Creates the topics that do not exist yet, each with `partitions` partitions and the replication factor
 /// `replication` gives for the cluster (logged).
 pub async fn ensure_topics(
-    brokers: &str,
+    cluster: &KafkaConnection,
     topics: &[&str],
     partitions: i32,
     replication: Replication,
 ) -> Result<(), String> {
     let admin: AdminClient<DefaultClientContext> =
-        ClientConfig::new().set("bootstrap.servers", brokers).create().map_err(|e| format!("admin client: {e}"))?;
+        cluster.client_config().create().map_err(|e| format!("admin client: {e}"))?;
     // librdkafka's metadata call blocks: off the async workers (a broker outage must not stall HTTP)
     let (admin, cluster) = tokio::task::spawn_blocking(move || {
         let brokers = admin.inner().fetch_metadata(None, Duration::from_secs(10)).map(|m| m.brokers().len());
@@ -76,7 +77,7 @@ pub async fn ensure_topics(
 /// [`ensure_topics`] until it succeeds or `shutdown` is cancelled (then `false`): a broker that is down at
 /// start is waited for in the background, with backoff from 1 s to 30 s, every failure logged.
 pub async fn ensure_topics_when_reachable(
-    brokers: &str,
+    cluster: &KafkaConnection,
     topics: &[&str],
     partitions: i32,
     replication: Replication,
@@ -84,7 +85,7 @@ pub async fn ensure_topics_when_reachable(
 ) -> bool {
     let mut backoff = idem_ports::Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
     loop {
-        let pause = match ensure_topics(brokers, topics, partitions, replication).await {
+        let pause = match ensure_topics(cluster, topics, partitions, replication).await {
             Ok(()) => {
                 tracing::info!(?topics, "topics ready");
                 return true;

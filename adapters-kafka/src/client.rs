@@ -1,14 +1,174 @@
 //! rdkafka client configurations, each setting with the reason it is there.
+//!
+//! Every client idem creates (producer, consumer, dead-letter producer and reader, admin, probe) starts
+//! from one [`KafkaConnection`]: the bootstrap servers plus the deployment's own librdkafka properties
+//! (TLS, SASL, timeouts, debugging), typically read from a properties file. The properties idem's
+//! guarantees rest on cannot be overridden that way ([`PROTECTED`]).
 
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
 
+/// librdkafka properties a deployment may not set: idem sets them (or relies on their defaults) for its
+/// guarantees, each with the reason given when a properties file tries.
+pub const PROTECTED: &[(&str, &str)] = &[
+    ("bootstrap.servers", "set by KAFKA_BROKERS"),
+    ("metadata.broker.list", "set by KAFKA_BROKERS"),
+    ("group.id", "set by KAFKA_GROUP_ID, which idem guards against renames (a new group re-reads every event)"),
+    (
+        "enable.idempotence",
+        "the producer must be idempotent: retries would otherwise write duplicates and reorder a key's events",
+    ),
+    ("enable.gapless.guarantee", "idempotent producer setting chosen by idem"),
+    ("acks", "acks=all: an event counts as published only once every in-sync replica has it"),
+    ("request.required.acks", "acks=all: an event counts as published only once every in-sync replica has it"),
+    ("max.in.flight.requests.per.connection", "at most 5 in flight keeps a key's order under idempotence"),
+    ("max.in.flight", "at most 5 in flight keeps a key's order under idempotence"),
+    ("retries", "the producer retries until its delivery timeout, so a transient error never drops an event"),
+    (
+        "message.send.max.retries",
+        "the producer retries until its delivery timeout, so a transient error never drops an event",
+    ),
+    (
+        "partitioner",
+        "murmur2_random: a key lands on the partition Java and Go producers choose, which its order depends on",
+    ),
+    ("transactional.id", "idem's relay publishes with an idempotent, non-transactional producer"),
+    ("enable.auto.commit", "offsets are committed only after the database transaction of their events committed"),
+    ("auto.commit.enable", "offsets are committed only after the database transaction of their events committed"),
+    ("enable.auto.offset.store", "offsets are stored only after the database transaction of their events committed"),
+    ("auto.offset.reset", "earliest: a new group starts from the beginning, so no event is skipped"),
+    ("isolation.level", "read_committed: events of aborted producer transactions are never applied"),
+];
+
+/// A property idem refused, or a properties file it could not read. Never holds a property's value.
+#[derive(Debug, thiserror::Error)]
+pub enum PropertyError {
+    /// A protected property (see [`PROTECTED`]).
+    #[error("Kafka property `{key}` cannot be set: {why}")]
+    Protected {
+        /// The property.
+        key: String,
+        /// Why idem owns it.
+        why: &'static str,
+    },
+    /// A line that is not `key=value`, a comment or blank.
+    #[error("line {line} of the Kafka properties is not `key=value`")]
+    Malformed {
+        /// 1-based line number.
+        line: usize,
+    },
+}
+
+/// Where and how to reach the cluster: bootstrap servers and the deployment's own librdkafka properties
+/// (`security.protocol`, `ssl.ca.location`, `sasl.mechanism`, `sasl.username`, `sasl.password`, …),
+/// applied to every client idem creates. `Debug` shows the property names, never their values.
+#[derive(Clone, Default)]
+pub struct KafkaConnection {
+    brokers: String,
+    properties: Vec<(String, String)>,
+}
+
+impl std::fmt::Debug for KafkaConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let keys: Vec<&str> = self.properties.iter().map(|(k, _)| k.as_str()).collect();
+        f.debug_struct("KafkaConnection").field("brokers", &self.brokers).field("properties", &keys).finish()
+    }
+}
+
+impl KafkaConnection {
+    /// `brokers` (`host:port,…`) with librdkafka's defaults (plaintext, no authentication).
+    pub fn new(brokers: &str) -> Self {
+        Self { brokers: brokers.to_owned(), properties: Vec::new() }
+    }
+
+    /// Adds one librdkafka property (a later value of the same key wins). Refuses [`PROTECTED`] ones.
+    pub fn with_property(mut self, key: &str, value: &str) -> Result<Self, PropertyError> {
+        let key = key.trim();
+        if let Some((_, why)) = PROTECTED.iter().find(|(k, _)| k.eq_ignore_ascii_case(key)) {
+            return Err(PropertyError::Protected { key: key.to_owned(), why });
+        }
+        self.properties.retain(|(k, _)| k != key);
+        self.properties.push((key.to_owned(), value.to_owned()));
+        Ok(self)
+    }
+
+    /// Adds the properties of a Java-style properties text, the format of Kafka's and librdkafka's own
+    /// tools: `key=value` lines; blank lines and lines starting with `#` or `!` are ignored; spaces around
+    /// the key and the value are trimmed.
+    pub fn with_properties(mut self, text: &str) -> Result<Self, PropertyError> {
+        for (i, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') || line.starts_with('!') {
+                continue;
+            }
+            let (key, value) = line.split_once('=').ok_or(PropertyError::Malformed { line: i + 1 })?;
+            if key.trim().is_empty() {
+                return Err(PropertyError::Malformed { line: i + 1 });
+            }
+            self = self.with_property(key, value.trim())?;
+        }
+        Ok(self)
+    }
+
+    /// The bootstrap servers.
+    pub fn brokers(&self) -> &str {
+        &self.brokers
+    }
+
+    /// The names of the deployment's properties (never their values: some are secrets).
+    pub fn property_names(&self) -> impl Iterator<Item = &str> {
+        self.properties.iter().map(|(k, _)| k.as_str())
+    }
+
+    /// A client configuration with the bootstrap servers and the deployment's properties (for clients
+    /// that need nothing else).
+    pub fn client_config(&self) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        self.apply(&mut c);
+        c
+    }
+
+    /// Sets the bootstrap servers and the deployment's properties on `config`, over the client's own
+    /// defaults (a deployment may tune `linger.ms`, say; the protected properties cannot be in the list).
+    pub fn apply<'c>(&self, config: &'c mut ClientConfig) -> &'c mut ClientConfig {
+        config.set("bootstrap.servers", &self.brokers);
+        for (k, v) in &self.properties {
+            config.set(k, v);
+        }
+        config
+    }
+}
+
+impl From<&str> for KafkaConnection {
+    fn from(brokers: &str) -> Self {
+        Self::new(brokers)
+    }
+}
+
+impl From<&String> for KafkaConnection {
+    fn from(brokers: &String) -> Self {
+        Self::new(brokers)
+    }
+}
+
+impl From<String> for KafkaConnection {
+    fn from(brokers: String) -> Self {
+        Self { brokers, properties: Vec::new() }
+    }
+}
+
+impl From<&KafkaConnection> for KafkaConnection {
+    fn from(connection: &KafkaConnection) -> Self {
+        connection.clone()
+    }
+}
+
 /// Producer settings. The producer is configured for safety first.
 #[derive(Debug, Clone)]
 pub struct ProducerSettings {
-    /// Bootstrap servers (`host:port,…`).
-    pub brokers: String,
+    /// The cluster and the deployment's properties.
+    pub connection: KafkaConnection,
     /// How long a message may take to be acknowledged, retries included, before its delivery fails
     /// (`delivery.timeout.ms`). A failed delivery may still have been written: receivers dedup by event_id.
     pub delivery_timeout: Duration,
@@ -19,10 +179,10 @@ pub struct ProducerSettings {
 }
 
 impl ProducerSettings {
-    /// The settings idem uses, for `brokers`.
-    pub fn new(brokers: &str) -> Self {
+    /// The settings idem uses, for `connection` (a [`KafkaConnection`] or bootstrap servers).
+    pub fn new(connection: impl Into<KafkaConnection>) -> Self {
         Self {
-            brokers: brokers.to_owned(),
+            connection: connection.into(),
             delivery_timeout: Duration::from_secs(30),
             linger: Duration::from_millis(1),
         }
@@ -31,7 +191,7 @@ impl ProducerSettings {
     /// The librdkafka configuration, every setting with its reason.
     pub fn client_config(&self) -> ClientConfig {
         let mut c = ClientConfig::new();
-        c.set("bootstrap.servers", &self.brokers)
+        c
             // Idempotent producer: the broker drops retried duplicates within this producer session and
             // keeps per-partition order across retries.
             .set("enable.idempotence", "true")
@@ -49,6 +209,7 @@ impl ProducerSettings {
             .set("partitioner", "murmur2_random")
             .set("compression.type", "lz4")
             .set("message.max.bytes", "1000000");
+        self.connection.apply(&mut c);
         c
     }
 }
@@ -56,8 +217,8 @@ impl ProducerSettings {
 /// Consumer settings.
 #[derive(Debug, Clone)]
 pub struct ConsumerSettings {
-    /// Bootstrap servers.
-    pub brokers: String,
+    /// The cluster and the deployment's properties.
+    pub connection: KafkaConnection,
     /// Consumer group.
     pub group_id: String,
     /// `session.timeout.ms`: how long the group waits for a silent member before rebalancing.
@@ -68,10 +229,11 @@ pub struct ConsumerSettings {
 }
 
 impl ConsumerSettings {
-    /// The settings idem uses, for `brokers` and `group_id`.
-    pub fn new(brokers: &str, group_id: &str) -> Self {
+    /// The settings idem uses, for `connection` (a [`KafkaConnection`] or bootstrap servers) and
+    /// `group_id`.
+    pub fn new(connection: impl Into<KafkaConnection>, group_id: &str) -> Self {
         Self {
-            brokers: brokers.to_owned(),
+            connection: connection.into(),
             group_id: group_id.to_owned(),
             session_timeout: Duration::from_secs(10),
             max_poll_interval: Duration::from_secs(300),
@@ -81,8 +243,7 @@ impl ConsumerSettings {
     /// The librdkafka configuration (auto commit and offset store off).
     pub fn client_config(&self) -> ClientConfig {
         let mut c = ClientConfig::new();
-        c.set("bootstrap.servers", &self.brokers)
-            .set("group.id", &self.group_id)
+        c.set("group.id", &self.group_id)
             // Offsets are committed by the runner only after the database transaction of their messages
             // committed: never automatically, and never stored automatically on delivery to the app.
             .set("enable.auto.commit", "false")
@@ -94,6 +255,7 @@ impl ConsumerSettings {
             .set("session.timeout.ms", self.session_timeout.as_millis().to_string())
             .set("heartbeat.interval.ms", (self.session_timeout.as_millis() / 4).max(100).to_string())
             .set("max.poll.interval.ms", self.max_poll_interval.as_millis().to_string());
+        self.connection.apply(&mut c);
         c
     }
 }
@@ -106,4 +268,40 @@ pub(crate) fn breaks_session(e: &rdkafka::error::KafkaError) -> bool {
         e.rdkafka_error_code(),
         Some(ProducerFenced | InvalidProducerEpoch | OutOfOrderSequenceNumber | UnknownProducerId | Fatal)
     )
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn properties_files_are_read_and_protected_properties_refused_without_their_values() {
+        let text = "# TLS\nsecurity.protocol = SASL_SSL\n\n! comment\nsasl.password=p=ss word\n";
+        let c = KafkaConnection::new("b:9093").with_properties(text).unwrap();
+        assert_eq!(c.property_names().collect::<Vec<_>>(), ["security.protocol", "sasl.password"]);
+        let config = ProducerSettings::new(&c).client_config();
+        assert_eq!(config.get("security.protocol"), Some("SASL_SSL"));
+        assert_eq!(config.get("sasl.password"), Some("p=ss word"));
+        assert_eq!(config.get("bootstrap.servers"), Some("b:9093"));
+        assert!(!format!("{c:?}").contains("p=ss"), "{c:?}");
+        for key in ["enable.idempotence", "ACKS", "isolation.level", "group.id", "enable.auto.commit", "partitioner"] {
+            let e = KafkaConnection::new("b").with_properties(&format!("{key}=secretvalue")).unwrap_err();
+            let message = e.to_string();
+            assert!(message.contains(&format!("`{key}`")) && !message.contains("secretvalue"), "{message}");
+        }
+        let e = KafkaConnection::new("b").with_properties("ok=1\nsasl.password secretvalue").unwrap_err();
+        assert_eq!(e.to_string(), "line 2 of the Kafka properties is not `key=value`");
+    }
+
+    #[test]
+    fn the_guarantees_survive_every_allowed_property() {
+        let c = KafkaConnection::new("b").with_properties("linger.ms=50\nsecurity.protocol=SSL").unwrap();
+        let p = ProducerSettings::new(&c).client_config();
+        assert_eq!((p.get("enable.idempotence"), p.get("acks")), (Some("true"), Some("all")));
+        assert_eq!(p.get("linger.ms"), Some("50"), "a tunable property is the deployment's");
+        let consumer = ConsumerSettings::new(&c, "g").client_config();
+        assert_eq!(consumer.get("enable.auto.commit"), Some("false"));
+        assert_eq!(consumer.get("security.protocol"), Some("SSL"));
+    }
 }

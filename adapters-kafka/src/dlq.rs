@@ -21,6 +21,7 @@ use uuid::Uuid;
 
 use idem_domain::wire::headers as wire;
 
+use crate::client::KafkaConnection;
 use crate::consumer::EVENT_ID_HEADER;
 
 /// Prefix of the provenance headers the consumer adds to a dead letter.
@@ -90,12 +91,12 @@ impl DeadLetterMessage {
 /// Reads every message of `topic` present when called (up to each partition's high watermark), without
 /// joining a group or committing anything. `on_message` sees each as it arrives (progress).
 pub fn read_all(
-    brokers: &str,
+    cluster: &KafkaConnection,
     topic: &str,
     timeout: Duration,
     mut on_message: impl FnMut(&DeadLetterMessage),
 ) -> Result<Vec<DeadLetterMessage>, rdkafka::error::KafkaError> {
-    let mut reader = Reader::open(brokers, topic, timeout)?;
+    let mut reader = Reader::open(cluster, topic, timeout)?;
     let mut out = Vec::new();
     loop {
         let batch = reader.next_batch(1000)?;
@@ -128,10 +129,10 @@ impl std::fmt::Debug for Reader {
 
 impl Reader {
     /// Assigns every non-empty partition of `topic` from its start (no group is joined; nothing committed).
-    pub fn open(brokers: &str, topic: &str, timeout: Duration) -> Result<Self, rdkafka::error::KafkaError> {
+    pub fn open(cluster: &KafkaConnection, topic: &str, timeout: Duration) -> Result<Self, rdkafka::error::KafkaError> {
         // partitions are assigned by hand and nothing is committed: the group id is never used by the broker
-        let consumer: BaseConsumer = rdkafka::ClientConfig::new()
-            .set("bootstrap.servers", brokers)
+        let consumer: BaseConsumer = cluster
+            .client_config()
             .set("group.id", "idem-dlq-reader")
             .set("enable.auto.commit", "false")
             .set("enable.partition.eof", "false")

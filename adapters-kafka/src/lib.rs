@@ -13,7 +13,7 @@ pub mod partitioner;
 pub mod probe;
 pub mod relay;
 
-pub use client::{ConsumerSettings, ProducerSettings};
+pub use client::{ConsumerSettings, KafkaConnection, ProducerSettings};
 
 /// Sleeps `delay`; `false` when `shutdown` came first.
 pub(crate) async fn pause(delay: std::time::Duration, shutdown: &tokio_util::sync::CancellationToken) -> bool {

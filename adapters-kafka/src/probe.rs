@@ -3,9 +3,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
+
+use crate::client::KafkaConnection;
 
 /// Asks the cluster for its metadata.
 #[derive(Clone)]
@@ -20,9 +21,9 @@ impl std::fmt::Debug for BrokerProbe {
 }
 
 impl BrokerProbe {
-    /// A probe of `brokers` (a client of its own, created once).
-    pub fn new(brokers: &str) -> Result<Self, KafkaError> {
-        let client: BaseConsumer = ClientConfig::new().set("bootstrap.servers", brokers).create()?;
+    /// A probe of `cluster` (a client of its own, created once).
+    pub fn new(cluster: &KafkaConnection) -> Result<Self, KafkaError> {
+        let client: BaseConsumer = cluster.client_config().create()?;
         Ok(Self { client: Arc::new(client) })
     }
 

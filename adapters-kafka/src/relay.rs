@@ -93,7 +93,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use tokio::sync::{Notify, RwLock};
 use tokio_util::sync::CancellationToken;
 
-use crate::client::{ProducerSettings, breaks_session};
+use crate::client::{KafkaConnection, ProducerSettings, breaks_session};
 
 /// Relay settings.
 #[derive(Debug, Clone)]
@@ -111,19 +111,25 @@ pub struct RelaySettings {
     pub concurrency: usize,
     /// After how many refusals for good (too large, not authorized, invalid) a row is quarantined.
     pub quarantine_after: i32,
+    /// Longest time one round may take, from its claim to its COMMIT (it waits for delivery reports, so
+    /// longer than the producer's delivery timeout). A round that takes longer (its connection black-holed
+    /// by a failover) is abandoned: its rows stay claimed by nobody and are published again later; the
+    /// receivers deduplicate by event_id.
+    pub round_timeout: Duration,
 }
 
 impl RelaySettings {
     /// Defaults: rounds of 2,000 rows, 4 in flight, at most one wake-up claim per 50 ms, poll every second,
     /// quarantine after 3 refusals.
-    pub fn new(brokers: &str) -> Self {
+    pub fn new(cluster: impl Into<KafkaConnection>) -> Self {
         Self {
-            producer: ProducerSettings::new(brokers),
+            producer: ProducerSettings::new(cluster),
             batch_size: 2000,
             poll_interval: Duration::from_secs(1),
             min_claim_interval: Duration::from_millis(50),
             concurrency: 4,
             quarantine_after: 3,
+            round_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -302,7 +308,14 @@ impl Relay {
             }
             wanted = false;
             let current = producer.read().await.clone();
-            let pause = match self.round(&current).await {
+            let bounded = tokio::time::timeout(self.settings.round_timeout, self.round(&current));
+            let round = bounded.await.unwrap_or_else(|_| {
+                Err(StoreError::Unavailable(format!(
+                    "the round did not end within {} s: abandoned (rolled back unless its commit was under way)",
+                    self.settings.round_timeout.as_secs()
+                )))
+            });
+            let pause = match round {
                 Ok(round) if round.failed == 0 => {
                     backoff.reset();
                     if round.claimed as i64 >= self.settings.batch_size {

@@ -257,7 +257,7 @@ impl Cleaner {
     pub async fn run_once(&self, local_now: DateTime<Utc>) -> Result<Option<CleanupReport>, StoreError> {
         // The lock's transaction stays open (idle) for the round: exempt it, in this transaction only, from
         // the sessions' idle-in-transaction timeout.
-        let mut lock = self.store.pool().begin().await.map_err(map_sqlx_error)?;
+        let mut lock = self.store.small_tx().await.map_err(map_sqlx_error)?;
         sqlx::query("SET LOCAL idle_in_transaction_session_timeout = 0")
             .execute(&mut *lock)
             .await
@@ -285,11 +285,7 @@ impl Cleaner {
                 margin.num_seconds()
             )));
         }
-        let result = async {
-            let mut conn = self.store.pool().acquire().await.map_err(map_sqlx_error)?;
-            self.delete_all(&mut conn, now).await
-        }
-        .await;
+        let result = self.delete_all(now).await;
         // Ending the transaction releases the lock; if that fails the connection is closed, which does too.
         let _ = lock.rollback().await;
         let report = result?;
@@ -297,12 +293,15 @@ impl Cleaner {
         Ok(Some(report))
     }
 
-    async fn delete_all(&self, conn: &mut PgConnection, now: DateTime<Utc>) -> Result<CleanupReport, StoreError> {
+    async fn delete_all(&self, now: DateTime<Utc>) -> Result<CleanupReport, StoreError> {
         let mut report = CleanupReport::default();
         for table in ExpiringTable::ALL {
             let mut total = 0u64;
             for _ in 0..self.settings.max_batches {
-                let n = delete_batch(conn, table, now, self.settings.batch_size).await?;
+                // each batch its own short transaction (also what a transaction pooler needs)
+                let mut tx = self.store.small_tx().await.map_err(map_sqlx_error)?;
+                let n = delete_batch(&mut tx, table, now, self.settings.batch_size).await?;
+                tx.commit().await.map_err(map_sqlx_error)?;
                 total += n;
                 self.stats.deleted.get_or_create(&TableLabels { table: table.name() }).inc_by(n);
                 if n < self.settings.batch_size as u64 {
@@ -370,7 +369,7 @@ pub async fn refresh_dead_tuples(store: &PgStore, stats: &CleanupStats) -> Resul
         r#"SELECT relname AS "relname!", n_dead_tup AS "dead!" FROM pg_stat_user_tables
            WHERE relname IN ('idempotency_record', 'processed_event', 'outbox_message')"#
     )
-    .fetch_all(store.pool())
+    .fetch_all(&mut *store.small_tx().await.map_err(map_sqlx_error)?)
     .await
     .map_err(map_sqlx_error)?;
     for row in rows {
@@ -409,7 +408,7 @@ pub mod partitions {
              WHERE p.relname = $1",
         )
         .bind(PARENT)
-        .fetch_all(store.pool())
+        .fetch_all(&mut *store.small_tx().await.map_err(map_sqlx_error)?)
         .await
         .map_err(map_sqlx_error)?;
         let mut days: Vec<(String, NaiveDate)> = names.into_iter().filter_map(|n| day_of(&n).map(|d| (n, d))).collect();
@@ -470,7 +469,7 @@ pub mod partitions {
     /// long transactions (it gives up and the next round retries), and no setting outlives the transaction
     /// on the pooled connection.
     async fn bounded_ddl(store: &PgStore, statements: &[&str]) -> Result<(), sqlx::Error> {
-        let mut tx = store.pool().begin().await?;
+        let mut tx = store.small_tx().await?;
         sqlx::query("SET LOCAL lock_timeout = '2s'").execute(&mut *tx).await?;
         for statement in statements {
             sqlx::query(statement).execute(&mut *tx).await?;
@@ -482,6 +481,7 @@ pub mod partitions {
     pub async fn clean_default(store: &PgStore, now: DateTime<Utc>, batch: i64) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
+            let mut tx = store.small_tx().await.map_err(map_sqlx_error)?;
             let n = sqlx::query(
                 "DELETE FROM processed_event_partitioned_default WHERE (consumer_name, event_id) IN (
                      SELECT consumer_name, event_id FROM processed_event_partitioned_default
@@ -489,10 +489,11 @@ pub mod partitions {
             )
             .bind(now)
             .bind(batch)
-            .execute(store.pool())
+            .execute(&mut *tx)
             .await
             .map_err(map_sqlx_error)?
             .rows_affected();
+            tx.commit().await.map_err(map_sqlx_error)?;
             total += n;
             if n < batch as u64 {
                 return Ok(total);

@@ -52,6 +52,30 @@ pub struct PoolSettings {
     /// Connections of units of work older than this are closed and replaced when next taken (long-lived
     /// server processes accumulate caches).
     pub max_lifetime: Duration,
+    /// Longest time one step of taking, beginning or returning a connection may take: the ping of a rested
+    /// connection, `BEGIN`, the rollback of an abandoned transaction, the check on release. A connection
+    /// that does not answer within it (a failover that black-holes connections: no RST, no FIN) is closed,
+    /// and a reused one replaced by a new connection, so requests fail over within seconds and no pool
+    /// slot waits for the kernel to give up (~15 min). sqlx 0.8 sets no TCP keepalive or user timeout on
+    /// its sockets, so these bounds are the client's only ones.
+    pub step_timeout: Duration,
+    /// How the database is reached: directly, or through a transaction pooler.
+    pub pooler: Pooler,
+}
+
+/// How the database is reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Pooler {
+    /// Directly, or through a session pooler: sessions keep their prepared statements and settings.
+    #[default]
+    None,
+    /// Through a transaction pooler (PgBouncer `pool_mode = transaction`): a server connection belongs to
+    /// the client only for one transaction. So every statement runs in an explicit transaction (sqlx's
+    /// extended protocol spans two round trips, which the pooler may otherwise serve from two servers),
+    /// which begins with `DEALLOCATE ALL` (statements another client left on the server connection cannot
+    /// collide with this one's) and sets the timeouts with `SET LOCAL` (no `options` startup parameter, no
+    /// session state). No statement cache: each statement is prepared again in each transaction.
+    Transaction,
 }
 
 impl Default for PoolSettings {
@@ -63,6 +87,8 @@ impl Default for PoolSettings {
             idle_in_transaction_timeout: Duration::from_secs(60),
             ping_after_idle: Duration::from_secs(1),
             max_lifetime: Duration::from_secs(30 * 60),
+            step_timeout: Duration::from_secs(2),
+            pooler: Pooler::None,
         }
     }
 }
@@ -86,18 +112,61 @@ pub struct PgStore {
     transactions: txpool::TxPool,
     dedup: DedupStorage,
     outbox_signal: OutboxSignal,
+    /// Behind a transaction pooler: the statement every transaction begins with (see [`Pooler`]).
+    begin_sql: Option<std::sync::Arc<str>>,
+    /// A direct connection (not through the pooler) for migrations and LISTEN.
+    direct: Option<DirectOptions>,
+}
+
+/// Connect options of a direct connection; `Debug` never shows them (they hold the password).
+#[derive(Clone)]
+struct DirectOptions(PgConnectOptions);
+
+impl std::fmt::Debug for DirectOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DirectOptions")
+    }
+}
+
+/// `BEGIN` with what a transaction pooler needs (see [`Pooler::Transaction`]).
+fn pooled_begin(settings: &PoolSettings) -> String {
+    format!(
+        "BEGIN; DEALLOCATE ALL; SET LOCAL statement_timeout = '{}ms'; \
+         SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
+        settings.statement_timeout.as_millis(),
+        settings.idle_in_transaction_timeout.as_millis()
+    )
+}
+
+fn parse_url(url: &str) -> Result<PgConnectOptions, StoreError> {
+    url.parse().map_err(|e: sqlx::Error| StoreError::Other(format!("invalid database url: {e}")))
 }
 
 impl PgStore {
     /// Connects lazily-validated: fails fast if the URL is malformed or the server unreachable.
+    ///
+    /// Every connection honours libpq's URL parameters `sslmode` (`disable` … `verify-full`),
+    /// `sslrootcert`, `sslcert` and `sslkey` (TLS through rustls; with `verify-ca`/`verify-full` and no
+    /// `sslrootcert`, the system's trust store).
     pub async fn connect(url: &str, settings: &PoolSettings) -> Result<Self, StoreError> {
-        let options: PgConnectOptions =
-            url.parse().map_err(|e: sqlx::Error| StoreError::Other(format!("invalid database url: {e}")))?;
-        let options = options.options([
-            ("statement_timeout", format!("{}ms", settings.statement_timeout.as_millis())),
-            ("idle_in_transaction_session_timeout", format!("{}ms", settings.idle_in_transaction_timeout.as_millis())),
-        ]);
-        let ping_after_idle = settings.ping_after_idle;
+        let options = parse_url(url)?;
+        let options = match settings.pooler {
+            // timeouts travel with every BEGIN instead: a transaction pooler refuses or drops `options`
+            Pooler::Transaction => options.statement_cache_capacity(0),
+            Pooler::None => options.options([
+                ("statement_timeout", format!("{}ms", settings.statement_timeout.as_millis())),
+                (
+                    "idle_in_transaction_session_timeout",
+                    format!("{}ms", settings.idle_in_transaction_timeout.as_millis()),
+                ),
+                // the server's side of a black-holed connection: its backend is freed within a minute
+                ("tcp_keepalives_idle", "30".to_owned()),
+                ("tcp_keepalives_interval", "10".to_owned()),
+                ("tcp_keepalives_count", "3".to_owned()),
+                ("tcp_user_timeout", "30000".to_owned()),
+            ]),
+        };
+        let (ping_after_idle, step) = (settings.ping_after_idle, settings.step_timeout);
         // units of work have their own pool (`txpool.rs`); this one serves health checks, cleanup batches,
         // notifications and operators' queries: a few connections at most
         let pool = PgPoolOptions::new()
@@ -107,10 +176,16 @@ impl PgStore {
             .before_acquire(move |conn, meta| {
                 Box::pin(async move {
                     if meta.idle_for > ping_after_idle {
-                        conn.ping().await?;
+                        // a connection that does not answer is replaced (sqlx closes it)
+                        return Ok(matches!(tokio::time::timeout(step, conn.ping()).await, Ok(Ok(()))));
                     }
                     Ok(true)
                 })
+            })
+            // sqlx pings every connection it takes back, without a bound: checked here first, within the
+            // step bound, so a frozen connection is closed instead of holding its slot for ever
+            .after_release(move |conn, _| {
+                Box::pin(async move { Ok(matches!(tokio::time::timeout(step, conn.ping()).await, Ok(Ok(())))) })
             })
             .connect_with(options)
             .await
@@ -130,14 +205,52 @@ impl PgStore {
     }
 
     fn with_settings(pool: PgPool, settings: &PoolSettings) -> Self {
+        let begin_sql: Option<std::sync::Arc<str>> =
+            (settings.pooler == Pooler::Transaction).then(|| pooled_begin(settings).into());
         let transactions = txpool::TxPool::new(
             (*pool.connect_options()).clone(),
-            settings.max_connections,
-            settings.acquire_timeout,
-            settings.ping_after_idle,
-            settings.max_lifetime,
+            txpool::Bounds {
+                max_connections: settings.max_connections,
+                acquire_timeout: settings.acquire_timeout,
+                ping_after_idle: settings.ping_after_idle,
+                max_lifetime: settings.max_lifetime,
+                step_timeout: settings.step_timeout,
+            },
+            begin_sql.clone(),
         );
-        Self { outbox_signal: OutboxSignal::new(pool.clone()), pool, transactions, dedup: DedupStorage::Table }
+        Self {
+            outbox_signal: OutboxSignal::new(pool.clone(), begin_sql.clone()),
+            pool,
+            transactions,
+            dedup: DedupStorage::Table,
+            begin_sql,
+            direct: None,
+        }
+    }
+
+    /// A direct connection to the same database for migrations and the relays' `LISTEN`, which a
+    /// transaction pooler cannot carry (session advisory lock, session settings, notifications).
+    pub fn with_direct_url(mut self, url: &str) -> Result<Self, StoreError> {
+        self.direct = Some(DirectOptions(parse_url(url)?));
+        Ok(self)
+    }
+
+    /// Whether LISTEN can be used: directly connected, or a direct URL was given.
+    pub(crate) fn listen_options(&self) -> Option<PgConnectOptions> {
+        match (&self.direct, &self.begin_sql) {
+            (Some(direct), _) => Some(direct.0.clone()),
+            (None, None) => Some((*self.pool.connect_options()).clone()),
+            (None, Some(_)) => None,
+        }
+    }
+
+    /// A transaction on the small pool, for statements that are not a unit of work: behind a transaction
+    /// pooler it begins as every transaction there must ([`Pooler::Transaction`]).
+    pub(crate) async fn small_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
+        match &self.begin_sql {
+            Some(sql) => self.pool.begin_with(sql.to_string()).await,
+            None => self.pool.begin().await,
+        }
     }
 
     /// Raised after every commit that wrote outbox rows (see [`PgOutboxWakeup`]).
@@ -172,9 +285,19 @@ impl PgStore {
     /// recorded in the database's `_sqlx_migrations` table: idem's tables install beside the
     /// application's own. Application versions must not reuse idem's (which are dated `2026120…`); each
     /// migrator ignores the other's entries.
+    ///
+    /// Behind a transaction pooler ([`Pooler::Transaction`]) migrations need a session of their own (sqlx's
+    /// session advisory lock, `SET statement_timeout`): they run on the direct connection
+    /// ([`Self::with_direct_url`]); without one, pending migrations are an error that says so, and
+    /// nothing is run through the pooler.
     pub async fn migrate_with(&self, application: Option<&sqlx::migrate::Migrator>) -> Result<(), StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(map_sqlx_error)?;
-        sqlx::query("SET statement_timeout = 0").execute(&mut *conn).await.map_err(map_sqlx_error)?;
+        let options = match (&self.direct, &self.begin_sql) {
+            (Some(direct), _) => direct.0.clone(),
+            (None, None) => (*self.pool.connect_options()).clone(),
+            (None, Some(_)) => return self.check_migrated(application).await,
+        };
+        let mut conn = sqlx::PgConnection::connect_with(&options).await.map_err(map_sqlx_error)?;
+        sqlx::raw_sql("SET statement_timeout = 0").execute(&mut conn).await.map_err(map_sqlx_error)?;
         let mut result = Ok(());
         for migrations in std::iter::once(&*MIGRATOR.migrations).chain(application.map(|m| &*m.migrations)) {
             // each migrator ignores the other's entries in the shared _sqlx_migrations table
@@ -184,13 +307,35 @@ impl PgStore {
                 locking: true,
                 no_tx: false,
             };
-            result = migrator.run(&mut *conn).await.map_err(|e| StoreError::Other(format!("migration failed: {e}")));
+            result = migrator.run(&mut conn).await.map_err(|e| StoreError::Other(format!("migration failed: {e}")));
             if result.is_err() {
                 break;
             }
         }
-        drop(conn.detach());
+        let _ = conn.close().await;
         result
+    }
+
+    /// Behind a transaction pooler without a direct URL: fails when a migration is pending.
+    async fn check_migrated(&self, application: Option<&sqlx::migrate::Migrator>) -> Result<(), StoreError> {
+        let mut tx = self.small_tx().await.map_err(map_sqlx_error)?;
+        let applied: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
+            .fetch_all(&mut *tx)
+            .await
+            .unwrap_or_default();
+        let _ = tx.commit().await;
+        let pending = std::iter::once(&*MIGRATOR.migrations)
+            .chain(application.map(|m| &*m.migrations))
+            .flatten()
+            .filter(|m| !applied.contains(&m.version))
+            .count();
+        if pending > 0 {
+            return Err(StoreError::Other(format!(
+                "{pending} migration(s) pending and the database is reached through a transaction pooler: set \
+                 DATABASE_DIRECT_URL to a direct connection (migrations need a session of their own)"
+            )));
+        }
+        Ok(())
     }
 
     /// Shares `other`'s outbox signal: commits through this store wake relays subscribed to `other` (a
@@ -219,7 +364,8 @@ impl PgStore {
     /// dead rows); the table never truncates (a migration sets `vacuum_truncate = false`: truncation takes
     /// an ACCESS EXCLUSIVE lock that would block the charges' inserts).
     pub async fn vacuum_outbox(&self) -> Result<(), StoreError> {
-        sqlx::query("VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON) outbox_message")
+        // simple protocol, no transaction (VACUUM cannot run in one): one round trip, fine through a pooler
+        sqlx::raw_sql("VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON) outbox_message")
             .execute(&self.pool)
             .await
             .map(|_| ())
@@ -228,7 +374,7 @@ impl PgStore {
 
     /// Whether the database answers.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1").execute(&self.pool).await.map(|_| ()).map_err(map_sqlx_error)
+        sqlx::raw_sql("SELECT 1").execute(&self.pool).await.map(|_| ()).map_err(map_sqlx_error)
     }
 
     /// Begins a transaction, typed (for adapters' own use and tests).

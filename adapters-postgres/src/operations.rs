@@ -98,7 +98,51 @@ pub struct Redrive {
     pub consumer: String,
 }
 
+/// What the server says about the durability of a commit it acknowledges.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Durability {
+    /// `synchronous_standby_names`: empty when no standby must confirm a commit.
+    pub synchronous_standby_names: String,
+    /// `synchronous_commit` of idem's sessions.
+    pub synchronous_commit: String,
+}
+
+impl Durability {
+    /// Why an acknowledged commit could be lost in a failover, if it could: no synchronous standby, or
+    /// `synchronous_commit` below `remote_write`.
+    pub fn risk(&self) -> Option<String> {
+        if self.synchronous_standby_names.trim().is_empty() {
+            return Some(
+                "the primary has no synchronous standby (synchronous_standby_names is empty): a failover can lose \
+                 commits idem already acknowledged, published or committed offsets for (RELIABILITY.md, \
+                 \"Replication\")"
+                    .into(),
+            );
+        }
+        match self.synchronous_commit.as_str() {
+            "remote_write" | "on" | "remote_apply" => None,
+            other => Some(format!(
+                "synchronous_commit is {other}: a commit is acknowledged before a standby has it, so a failover can \
+                 lose it; use remote_write or stronger (RELIABILITY.md, \"Replication\")"
+            )),
+        }
+    }
+}
+
 impl PgStore {
+    /// The server's replication settings that decide whether an acknowledged commit survives a failover.
+    pub async fn durability(&self) -> Result<Durability, StoreError> {
+        let mut tx = self.small_tx().await.map_err(map_sqlx_error)?;
+        let (names, commit): (String, String) = sqlx::query_as(
+            "SELECT current_setting('synchronous_standby_names'), current_setting('synchronous_commit')",
+        )
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(map_sqlx_error)?;
+        let _ = tx.commit().await;
+        Ok(Durability { synchronous_standby_names: names, synchronous_commit: commit })
+    }
+
     /// The health gauges, in one round trip.
     pub async fn health(&self) -> Result<Health, StoreError> {
         let row = sqlx::query!(
@@ -112,7 +156,7 @@ impl PgStore {
                    WHERE l.relation = 'idempotency_record'::regclass AND l.mode = 'RowExclusiveLock'
                      AND a.pid <> pg_backend_pid()) AS "in_flight!""#
         )
-        .fetch_one(self.pool())
+        .fetch_one(&mut *self.small_tx().await.map_err(map_sqlx_error)?)
         .await
         .map_err(map_sqlx_error)?;
         Ok(Health {
@@ -131,7 +175,7 @@ impl PgStore {
                     AS "n!""#,
             now,
         )
-        .fetch_one(self.pool())
+        .fetch_one(&mut *self.small_tx().await.map_err(map_sqlx_error)?)
         .await
         .map_err(map_sqlx_error)
     }
@@ -154,7 +198,7 @@ impl PgStore {
             before,
             limit,
         )
-        .fetch_all(self.pool())
+        .fetch_all(&mut *self.small_tx().await.map_err(map_sqlx_error)?)
         .await
         .map_err(map_sqlx_error)
     }
@@ -162,20 +206,21 @@ impl PgStore {
     /// Releases quarantined or failing rows for new attempts (attempts reset, last error kept). Returns
     /// the ids that were found unpublished; published or unknown ids are left out.
     pub async fn retry_outbox(&self, ids: &[Uuid]) -> Result<Vec<Uuid>, StoreError> {
+        let mut tx = self.small_tx().await.map_err(map_sqlx_error)?;
         let released = sqlx::query_scalar!(
             r#"UPDATE outbox_message SET quarantined_at = NULL, attempts = 0
                WHERE id = ANY($1)
                RETURNING id"#,
             ids,
         )
-        .fetch_all(self.pool())
+        .fetch_all(&mut *tx)
         .await
         .map_err(map_sqlx_error)?;
         if !released.is_empty() {
             // wake the relays of every instance (they would also find the rows at their next poll)
-            let _ =
-                sqlx::query("SELECT pg_notify($1, 'operator')").bind(crate::OUTBOX_CHANNEL).execute(self.pool()).await;
+            let _ = sqlx::query("SELECT pg_notify($1, 'operator')").bind(crate::OUTBOX_CHANNEL).execute(&mut *tx).await;
         }
+        tx.commit().await.map_err(map_sqlx_error)?;
         Ok(released)
     }
 
@@ -188,7 +233,7 @@ impl PgStore {
             scope,
             key,
         )
-        .fetch_optional(self.pool())
+        .fetch_optional(&mut *self.small_tx().await.map_err(map_sqlx_error)?)
         .await
         .map_err(map_sqlx_error)
     }
@@ -197,13 +242,14 @@ impl PgStore {
     /// changed_at)` by name.
     pub async fn settings(&self) -> Result<Vec<RecordedSetting>, StoreError> {
         sqlx::query_as!(RecordedSetting, "SELECT name, value, previous, changed_at FROM idem_setting ORDER BY name")
-            .fetch_all(self.pool())
+            .fetch_all(&mut *self.small_tx().await.map_err(map_sqlx_error)?)
             .await
             .map_err(map_sqlx_error)
     }
 
     /// Records a setting's value (and what it replaced, when it changed).
     pub async fn record_setting(&self, setting: &RecordedSetting) -> Result<(), StoreError> {
+        let mut tx = self.small_tx().await.map_err(map_sqlx_error)?;
         sqlx::query!(
             "INSERT INTO idem_setting (name, value, previous, changed_at) VALUES ($1, $2, $3, $4)
              ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value, previous = EXCLUDED.previous,
@@ -213,10 +259,10 @@ impl PgStore {
             setting.previous,
             setting.changed_at,
         )
-        .execute(self.pool())
+        .execute(&mut *tx)
         .await
-        .map(|_| ())
-        .map_err(map_sqlx_error)
+        .map_err(map_sqlx_error)?;
+        tx.commit().await.map_err(map_sqlx_error)
     }
 
     /// Whether `consumer` holds a processed-event row for `event_id` in either dedup storage (a late
@@ -230,7 +276,7 @@ impl PgStore {
             consumer,
             event_id,
         )
-        .fetch_one(self.pool())
+        .fetch_one(&mut *self.small_tx().await.map_err(map_sqlx_error)?)
         .await
         .map_err(map_sqlx_error)
     }
@@ -244,7 +290,7 @@ impl PgStore {
             partition,
             offset,
         )
-        .fetch_one(self.pool())
+        .fetch_one(&mut *self.small_tx().await.map_err(map_sqlx_error)?)
         .await
         .map_err(map_sqlx_error)
     }
@@ -252,6 +298,7 @@ impl PgStore {
     /// Records a re-drive after the broker acknowledged the message: `false` if it was recorded already
     /// (a concurrent re-drive of the same dead letter; its two copies share the event_id).
     pub async fn record_redrive(&self, r: &Redrive) -> Result<bool, StoreError> {
+        let mut tx = self.small_tx().await.map_err(map_sqlx_error)?;
         let inserted = sqlx::query!(
             r#"INSERT INTO dlq_redrive (dlq_topic, dlq_partition, dlq_offset, event_id, source_topic, reason,
                                         redriven_by, redriven_at, admitted_late)
@@ -267,9 +314,10 @@ impl PgStore {
             r.at,
             r.admitted_late,
         )
-        .execute(self.pool())
+        .execute(&mut *tx)
         .await
         .map_err(map_sqlx_error)?;
+        tx.commit().await.map_err(map_sqlx_error)?;
         Ok(inserted.rows_affected() == 1)
     }
 
@@ -283,6 +331,7 @@ impl PgStore {
         by: &str,
         at: DateTime<Utc>,
     ) -> Result<(), StoreError> {
+        let mut tx = self.small_tx().await.map_err(map_sqlx_error)?;
         sqlx::query!(
             r#"INSERT INTO late_admission (consumer, event_id, admitted_by, admitted_at)
                VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING"#,
@@ -291,10 +340,10 @@ impl PgStore {
             by,
             at,
         )
-        .execute(self.pool())
+        .execute(&mut *tx)
         .await
-        .map(|_| ())
-        .map_err(map_sqlx_error)
+        .map_err(map_sqlx_error)?;
+        tx.commit().await.map_err(map_sqlx_error)
     }
 }
 
@@ -309,4 +358,23 @@ pub struct RecordedSetting {
     pub previous: Option<String>,
     /// When it took this value.
     pub changed_at: chrono::DateTime<chrono::Utc>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Durability;
+
+    #[test]
+    fn only_a_synchronous_standby_with_remote_write_or_stronger_is_safe() {
+        let d = |names: &str, commit: &str| Durability {
+            synchronous_standby_names: names.into(),
+            synchronous_commit: commit.into(),
+        };
+        assert!(d("", "on").risk().is_some_and(|r| r.contains("no synchronous standby")));
+        assert!(d("ANY 1 (s1, s2)", "local").risk().is_some_and(|r| r.contains("synchronous_commit is local")));
+        assert!(d("s1", "off").risk().is_some());
+        for commit in ["remote_write", "on", "remote_apply"] {
+            assert_eq!(d("FIRST 1 (s1)", commit).risk(), None, "{commit}");
+        }
+    }
 }

@@ -15,7 +15,9 @@
 //! A connection older than `max_lifetime` (30 min, as sqlx's pool) is closed and replaced when next taken.
 //! A connection that rested longer than `ping_after_idle` is pinged before use, and one whose ping or
 //! `BEGIN` fails is replaced (nothing ran on it yet), so connections that died while idle (a server
-//! restart) cost a retry, not an error. Transactions keep sqlx's bookkeeping (`TransactionManager`), so an
+//! restart) cost a retry, not an error. Every step on a connection — the ping, `BEGIN`, the rollback of an
+//! abandoned transaction — is bounded by `step_timeout`: after a failover that black-holes the old
+//! connections (no RST), a stuck step costs that bound, not the kernel's ~15 minutes, and no slot is lost. Transactions keep sqlx's bookkeeping (`TransactionManager`), so an
 //! application's own `begin()` on [`PgUnitOfWork::connection`](crate::PgUnitOfWork::connection) nests as a
 //! savepoint. The other pool (sqlx's) serves everything that is not a unit of work: health checks, cleanup
 //! batches, notifications, listeners.
@@ -42,9 +44,21 @@ struct Inner {
     idle: Mutex<Vec<Idle>>,
     /// One per connection that exists or is being opened: bounds the pool.
     permits: Arc<Semaphore>,
-    acquire_timeout: Duration,
-    ping_after_idle: Duration,
-    max_lifetime: Duration,
+    bounds: Bounds,
+    /// The statement transactions begin with (behind a transaction pooler), or plain `BEGIN`.
+    begin_sql: Option<Arc<str>>,
+}
+
+/// Size and time bounds of the pool (see `PoolSettings`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Bounds {
+    pub(crate) max_connections: u32,
+    pub(crate) acquire_timeout: Duration,
+    pub(crate) ping_after_idle: Duration,
+    pub(crate) max_lifetime: Duration,
+    /// Longest ping, `BEGIN` or rollback of an abandoned transaction: a connection that takes longer is
+    /// considered lost (black-holed) and closed.
+    pub(crate) step_timeout: Duration,
 }
 
 /// A connection resting in the pool.
@@ -61,21 +75,14 @@ impl std::fmt::Debug for TxPool {
 }
 
 impl TxPool {
-    pub(crate) fn new(
-        options: PgConnectOptions,
-        max_connections: u32,
-        acquire_timeout: Duration,
-        ping_after_idle: Duration,
-        max_lifetime: Duration,
-    ) -> Self {
+    pub(crate) fn new(options: PgConnectOptions, bounds: Bounds, begin_sql: Option<Arc<str>>) -> Self {
         Self {
             inner: Arc::new(Inner {
                 options,
                 idle: Mutex::new(Vec::new()),
-                permits: Arc::new(Semaphore::new(max_connections.max(1) as usize)),
-                acquire_timeout,
-                ping_after_idle,
-                max_lifetime,
+                permits: Arc::new(Semaphore::new(bounds.max_connections.max(1) as usize)),
+                bounds,
+                begin_sql,
             }),
         }
     }
@@ -91,22 +98,34 @@ impl TxPool {
     }
 
     /// A connection with a transaction begun on it. Waits at most `acquire_timeout` for a free
-    /// connection (`PoolTimedOut`, which the store maps to "unavailable").
+    /// connection (`PoolTimedOut`, which the store maps to "unavailable"); each step on a connection (ping,
+    /// `BEGIN`) is bounded by `step_timeout`, and a reused connection that does not answer within it is
+    /// dropped and replaced (nothing ran on it yet).
     pub(crate) async fn begin(&self) -> Result<TxConnection, sqlx::Error> {
-        let deadline = Instant::now() + self.inner.acquire_timeout;
+        let bounds = self.inner.bounds;
+        let deadline = Instant::now() + bounds.acquire_timeout;
         let permit = tokio::time::timeout_at(deadline, self.inner.permits.clone().acquire_owned())
             .await
             .map_err(|_| sqlx::Error::PoolTimedOut)?
             .map_err(|_| sqlx::Error::PoolClosed)?;
+        let step = |now: Instant| (now + bounds.step_timeout).min(deadline);
         loop {
             let (mut conn, opened, reused) = match self.inner.take_idle() {
-                Some(Idle { conn, opened, .. }) if opened.elapsed() > self.inner.max_lifetime => {
-                    let _ = conn.close().await; // lived long enough (server-side caches grow): replaced
+                Some(Idle { conn, opened, .. }) if opened.elapsed() > bounds.max_lifetime => {
+                    close_bounded(conn, bounds.step_timeout); // lived long enough (server-side caches grow)
                     continue;
                 }
                 Some(Idle { mut conn, opened, returned }) => {
-                    if returned.elapsed() > self.inner.ping_after_idle && conn.ping().await.is_err() {
-                        continue; // died while idle: dropped, try the next one
+                    if returned.elapsed() > bounds.ping_after_idle
+                        && !matches!(tokio::time::timeout_at(step(Instant::now()), conn.ping()).await, Ok(Ok(())))
+                    {
+                        // died while idle, or black-holed: the other resting connections most likely went
+                        // the same way (a server restart, a failover), so they are closed too rather than
+                        // each costing its own step bound; the next attempt connects anew
+                        for idle in self.inner.drain_idle() {
+                            close_bounded(idle.conn, bounds.step_timeout);
+                        }
+                        continue;
                     }
                     (conn, opened, true)
                 }
@@ -117,8 +136,9 @@ impl TxPool {
                     (conn, Instant::now(), false)
                 }
             };
-            match Manager::begin(&mut conn, None).await {
-                Ok(()) => {
+            let statement = self.inner.begin_sql.as_ref().map(|sql| std::borrow::Cow::Owned(sql.to_string()));
+            match tokio::time::timeout_at(step(Instant::now()), Manager::begin(&mut conn, statement)).await {
+                Ok(Ok(())) => {
                     return Ok(TxConnection {
                         conn: Some(conn),
                         opened,
@@ -126,17 +146,32 @@ impl TxPool {
                         permit: Some(permit),
                     });
                 }
-                // nothing ran: a reused connection that fails here (it died while idle) is replaced
-                Err(_) if reused => continue,
-                Err(e) => return Err(e),
+                // nothing ran: a reused connection that fails or hangs here (it died while idle, or the
+                // path to the server black-holes) is replaced
+                Ok(Err(_)) | Err(_) if reused && Instant::now() < deadline => continue,
+                Ok(Err(e)) => return Err(e),
+                Err(_) => return Err(sqlx::Error::PoolTimedOut),
             }
         }
+    }
+}
+
+/// Closes `conn` in the background, giving up (dropping the socket) after `bound`.
+fn close_bounded(conn: PgConnection, bound: Duration) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(async move {
+            let _ = tokio::time::timeout(bound, conn.close()).await;
+        });
     }
 }
 
 impl Inner {
     fn take_idle(&self) -> Option<Idle> {
         self.idle.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).pop()
+    }
+
+    fn drain_idle(&self) -> Vec<Idle> {
+        std::mem::take(&mut *self.idle.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
     }
 
     fn put(&self, conn: PgConnection, opened: Instant) {
@@ -196,17 +231,23 @@ impl Drop for TxConnection {
             self.inner.put(conn, self.opened);
             return;
         }
-        // Dropped with its transaction open: roll back before the connection can be taken again.
+        // Dropped with its transaction open: roll back before the connection can be taken again. A
+        // rollback that does not answer within the step bound (a black-holed connection) ends it: the
+        // connection is dropped (the server rolls back when it notices) and its slot freed.
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return }; // closed: the server rolls back
         let (inner, permit, opened) = (self.inner.clone(), self.permit.take(), self.opened);
         runtime.spawn(async move {
-            while Manager::get_transaction_depth(&conn) > 0 {
-                if Manager::rollback(&mut conn).await.is_err() {
-                    drop(permit);
-                    return; // closed
+            let bound = inner.bounds.step_timeout;
+            let rolled_back = tokio::time::timeout(bound, async {
+                while Manager::get_transaction_depth(&conn) > 0 {
+                    Manager::rollback(&mut conn).await?;
                 }
+                Ok::<_, sqlx::Error>(())
+            })
+            .await;
+            if matches!(rolled_back, Ok(Ok(()))) {
+                inner.put(conn, opened);
             }
-            inner.put(conn, opened);
             drop(permit);
         });
     }

@@ -43,10 +43,12 @@ struct SignalInner {
     notifier: OnceLock<()>,
     instance: String,
     pool: PgPool,
+    /// Behind a transaction pooler, the statement a transaction begins with.
+    begin_sql: Option<Arc<str>>,
 }
 
 impl OutboxSignal {
-    pub(crate) fn new(pool: PgPool) -> Self {
+    pub(crate) fn new(pool: PgPool, begin_sql: Option<Arc<str>>) -> Self {
         let (local, _) = watch::channel(0);
         #[allow(clippy::disallowed_methods)] // an instance id, not a domain id
         let instance = uuid::Uuid::new_v4().to_string();
@@ -57,6 +59,7 @@ impl OutboxSignal {
                 notifier: OnceLock::new(),
                 instance,
                 pool,
+                begin_sql,
             }),
         }
     }
@@ -70,17 +73,33 @@ impl OutboxSignal {
 
     fn spawn_notifier(&self) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
-        let (remote, pool, instance) =
-            (self.inner.remote.clone(), self.inner.pool.clone(), self.inner.instance.clone());
+        let (remote, pool, instance, begin_sql) = (
+            self.inner.remote.clone(),
+            self.inner.pool.clone(),
+            self.inner.instance.clone(),
+            self.inner.begin_sql.clone(),
+        );
         runtime.spawn(async move {
             loop {
                 remote.notified().await;
                 if pool.is_closed() {
                     return;
                 }
-                if let Err(e) =
-                    sqlx::query("SELECT pg_notify($1, $2)").bind(OUTBOX_CHANNEL).bind(&instance).execute(&pool).await
-                {
+                // in a transaction of its own: behind a transaction pooler, the statement's two round trips
+                // must reach one server connection
+                let notify = async {
+                    let mut tx = match &begin_sql {
+                        Some(sql) => pool.begin_with(sql.to_string()).await?,
+                        None => pool.begin().await?,
+                    };
+                    sqlx::query("SELECT pg_notify($1, $2)")
+                        .bind(OUTBOX_CHANNEL)
+                        .bind(&instance)
+                        .execute(&mut *tx)
+                        .await?;
+                    tx.commit().await
+                };
+                if let Err(e) = notify.await {
                     tracing::debug!(error = %e, "outbox NOTIFY failed; relays of other instances will poll");
                 }
                 tokio::time::sleep(NOTIFY_DEBOUNCE).await;
@@ -96,7 +115,7 @@ impl OutboxSignal {
 /// Waits for an in-process commit signal or another instance's `NOTIFY`, with the caller's timeout as the
 /// polling fallback.
 pub struct PgOutboxWakeup {
-    listener: PgListener,
+    listener: Option<PgListener>,
     local: watch::Receiver<u64>,
     instance: String,
 }
@@ -109,9 +128,22 @@ impl std::fmt::Debug for PgOutboxWakeup {
 
 impl PgOutboxWakeup {
     /// Listens on the outbox channel (a dedicated connection) and shares `store`'s in-process signal.
+    ///
+    /// Behind a transaction pooler, LISTEN goes over the store's direct connection; without one, there
+    /// is no listener: the relay is woken by its own process's commits and polls for other instances'.
     pub async fn connect(store: &crate::PgStore) -> Result<Self, StoreError> {
-        let mut listener = PgListener::connect_with(store.pool()).await.map_err(map_sqlx_error)?;
-        listener.listen(OUTBOX_CHANNEL).await.map_err(map_sqlx_error)?;
+        let listener = match store.listen_options() {
+            Some(options) => {
+                let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_lazy_with(options);
+                let mut listener = PgListener::connect_with(&pool).await.map_err(map_sqlx_error)?;
+                listener.listen(OUTBOX_CHANNEL).await.map_err(map_sqlx_error)?;
+                Some(listener)
+            }
+            None => {
+                tracing::info!("no LISTEN behind a transaction pooler without DATABASE_DIRECT_URL: relays poll");
+                None
+            }
+        };
         let signal = store.outbox_signal();
         let mut local = signal.subscribe();
         local.mark_unchanged();
@@ -132,12 +164,17 @@ impl OutboxWakeup for PgOutboxWakeup {
                     }
                     return;
                 }
-                n = self.listener.try_recv() => match n {
+                n = async {
+                    match self.listener.as_mut() {
+                        Some(listener) => listener.try_recv().await,
+                        None => std::future::pending().await,
+                    }
+                } => match n {
                     // This process's own notification: its relay was already woken in process.
                     Ok(Some(n)) if n.payload() == self.instance => continue,
                     Ok(Some(_)) => {
                         // Drain what else arrived meanwhile: one claim serves them all.
-                        while self.listener.next_buffered().is_some() {}
+                        while self.listener.as_mut().and_then(PgListener::next_buffered).is_some() {}
                         return;
                     }
                     Ok(None) => return, // connection lost and re-established: poll now

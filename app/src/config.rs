@@ -51,8 +51,13 @@ pub fn redact_url(url: &str) -> String {
 
 /// The secret settings that may also come from a file named by `<VARIABLE>_FILE` (the container and
 /// orchestrator convention: a mounted secret instead of a value in the environment).
-pub const FILE_SECRETS: [(&str, &str); 3] =
-    [("DATABASE_URL", "database_url"), ("IDEM_API_KEYS", "api_keys"), ("IDEM_API_KEY", "api_key")];
+pub const FILE_SECRETS: [(&str, &str); 5] = [
+    ("DATABASE_URL", "database_url"),
+    ("DATABASE_DIRECT_URL", "database_direct_url"),
+    ("IDEM_API_KEYS", "api_keys"),
+    ("IDEM_API_KEY", "api_key"),
+    ("KAFKA_SASL_PASSWORD", "kafka_sasl_password"),
+];
 
 /// Applies `<VARIABLE>_FILE` to `cmd` and every subcommand that has the setting: when the variable itself is
 /// not set and the file variable is, the file's content (one trailing newline dropped) becomes the
@@ -170,9 +175,31 @@ pub struct DbArgs {
     /// PostgreSQL connection URL.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true, value_parser = |s: &str| Ok::<_, String>(DatabaseUrl(s.to_owned())))]
     pub database_url: DatabaseUrl,
+    /// How DATABASE_URL reaches the server: `none` (directly, or a session pooler) or `transaction` (a
+    /// transaction pooler such as PgBouncer with `pool_mode = transaction`: every statement in an explicit
+    /// transaction, no named prepared statements kept, timeouts set per transaction).
+    #[arg(long, env = "DATABASE_POOLER", default_value = "none")]
+    pub database_pooler: PoolerArg,
+    /// A direct connection to the same database (not through the pooler), for migrations and the relays'
+    /// LISTEN behind a transaction pooler; also `DATABASE_DIRECT_URL_FILE`.
+    #[arg(long, env = "DATABASE_DIRECT_URL", hide_env_values = true, value_parser = |s: &str| Ok::<_, String>(DatabaseUrl(s.to_owned())))]
+    pub database_direct_url: Option<DatabaseUrl>,
+    /// Longest ping, BEGIN or rollback of an abandoned transaction on one connection: a connection that
+    /// does not answer within it (a failover that black-holes connections) is closed and replaced.
+    #[arg(long, env = "DATABASE_STEP_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    pub database_step_timeout: Duration,
     /// Largest number of pooled database connections.
     #[arg(long, env = "DATABASE_MAX_CONNECTIONS", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub database_max_connections: u32,
+}
+
+/// How the database is reached (`DATABASE_POOLER`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PoolerArg {
+    /// Directly, or through a session pooler.
+    None,
+    /// Through a transaction pooler (PgBouncer `pool_mode = transaction`).
+    Transaction,
 }
 
 /// Kafka settings shared by the consumer and the relay.
@@ -191,6 +218,35 @@ pub struct KafkaArgs {
     /// else one per broker) or a number.
     #[arg(long, env = "KAFKA_REPLICATION_FACTOR", default_value = "auto")]
     pub replication_factor: idem_kafka::admin::Replication,
+    /// A librdkafka properties file (`key=value` lines, as Kafka's and librdkafka's tools read):
+    /// `security.protocol`, `ssl.ca.location`, `sasl.mechanism`, `sasl.username`, … applied to every Kafka
+    /// client idem creates. Properties idem's guarantees rest on (`acks`, `enable.idempotence`,
+    /// `isolation.level`, `enable.auto.commit`, `group.id`, …) are refused at start.
+    #[arg(long, env = "KAFKA_CONFIG_FILE")]
+    pub kafka_config_file: Option<std::path::PathBuf>,
+    /// SASL password (`sasl.password`), for a properties file that is not itself a secret; also read from
+    /// the file named by `KAFKA_SASL_PASSWORD_FILE`.
+    #[arg(long, env = "KAFKA_SASL_PASSWORD", hide_env_values = true, value_parser = |s: &str| Ok::<_, String>(Secret(s.to_owned())))]
+    pub kafka_sasl_password: Option<Secret>,
+}
+
+impl KafkaArgs {
+    /// The cluster with the deployment's properties: the properties file, then the SASL password. An
+    /// unreadable file or a refused property is an error that names the file or the property, never a value.
+    pub fn connection(&self) -> anyhow::Result<idem_kafka::KafkaConnection> {
+        let mut connection = idem_kafka::KafkaConnection::new(&self.kafka_brokers);
+        if let Some(path) = &self.kafka_config_file {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("KAFKA_CONFIG_FILE: cannot read {}: {}", path.display(), e.kind()))?;
+            connection = connection
+                .with_properties(&text)
+                .map_err(|e| anyhow::anyhow!("KAFKA_CONFIG_FILE {}: {e}", path.display()))?;
+        }
+        if let Some(password) = &self.kafka_sasl_password {
+            connection = connection.with_property("sasl.password", &password.0)?;
+        }
+        Ok(connection)
+    }
 }
 
 /// The order-event stream: its topic, dead-letter topic and consumer group (`idem serve`, `idem dlq`).
@@ -323,6 +379,10 @@ pub struct ServeArgs {
     /// Longest time a client may take to send a request body (nothing runs before it is complete).
     #[arg(long, env = "HTTP_BODY_READ_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub http_body_read_timeout: Duration,
+    /// Longest time from a complete request head to its response: a request not answered by then gets 503
+    /// and is dropped (its transaction rolls back unless the commit was under way: retry with the same key).
+    #[arg(long, env = "HTTP_REQUEST_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub http_request_timeout: Duration,
     /// Most HTTP connections open at once on each listener; further clients wait in the listen backlog.
     #[arg(long, env = "HTTP_MAX_CONNECTIONS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub http_max_connections: u32,
@@ -353,8 +413,13 @@ impl ServeArgs {
         if self.idempotency_wait > Duration::from_secs(30) || self.idempotency_wait.is_zero() {
             return Err("IDEMPOTENCY_WAIT must be between 1ms and 30s".into());
         }
-        if self.http_header_read_timeout.is_zero() || self.http_body_read_timeout.is_zero() {
-            return Err("HTTP_HEADER_READ_TIMEOUT and HTTP_BODY_READ_TIMEOUT must be positive".into());
+        if self.http_header_read_timeout.is_zero()
+            || self.http_body_read_timeout.is_zero()
+            || self.http_request_timeout.is_zero()
+        {
+            return Err(
+                "HTTP_HEADER_READ_TIMEOUT, HTTP_BODY_READ_TIMEOUT and HTTP_REQUEST_TIMEOUT must be positive".into()
+            );
         }
         if self.cleanup_interval < Duration::from_secs(1) {
             return Err("CLEANUP_INTERVAL must be at least 1s".into());

@@ -17,7 +17,7 @@ use clap::{Parser, Subcommand};
 use config::{DbArgs, RelayOnlyArgs, ServeArgs};
 use idem_ports::{Clock, SystemClock};
 use idem_postgres::cleanup::{Cleaner, CleanupSettings};
-use idem_postgres::{PgStore, PoolSettings};
+use idem_postgres::{PgStore, PoolSettings, Pooler};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Parser)]
@@ -80,10 +80,24 @@ fn init_tracing(json: bool) {
 }
 
 async fn connect(db: &DbArgs) -> anyhow::Result<PgStore> {
-    let settings = PoolSettings { max_connections: db.database_max_connections, ..PoolSettings::default() };
-    PgStore::connect(&db.database_url.0, &settings)
+    let settings = PoolSettings {
+        max_connections: db.database_max_connections,
+        step_timeout: db.database_step_timeout,
+        pooler: match db.database_pooler {
+            config::PoolerArg::None => Pooler::None,
+            config::PoolerArg::Transaction => Pooler::Transaction,
+        },
+        ..PoolSettings::default()
+    };
+    let store = PgStore::connect(&db.database_url.0, &settings)
         .await
-        .with_context(|| format!("connecting to {:?}", db.database_url))
+        .with_context(|| format!("connecting to {:?}", db.database_url))?;
+    match &db.database_direct_url {
+        Some(direct) => {
+            Ok(store.with_direct_url(&direct.0).with_context(|| format!("DATABASE_DIRECT_URL {direct:?}"))?)
+        }
+        None => Ok(store),
+    }
 }
 
 /// Cancels `token` on SIGINT or SIGTERM.

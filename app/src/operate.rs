@@ -313,10 +313,10 @@ fn time(t: Option<DateTime<Utc>>) -> String {
 }
 
 async fn read_dlq(topics: &Topics, label: &'static str) -> anyhow::Result<Vec<DeadLetterMessage>> {
-    let (brokers, topic) = (topics.kafka.kafka_brokers.clone(), topics.orders.dlq_topic());
+    let (cluster, topic) = (topics.kafka.connection()?, topics.orders.dlq_topic());
     tokio::task::spawn_blocking(move || {
         let mut progress = Progress::new(label, None, 1000);
-        let read = dlq::read_all(&brokers, &topic, READ_TIMEOUT, |_| progress.inc());
+        let read = dlq::read_all(&cluster, &topic, READ_TIMEOUT, |_| progress.inc());
         progress.finish();
         read.with_context(|| format!("reading {topic}"))
     })
@@ -440,9 +440,10 @@ async fn dlq_redrive(args: DlqRedriveArgs) -> anyhow::Result<()> {
     let dlq_topic = args.topics.orders.dlq_topic();
     let select =
         |m: &DeadLetterMessage| (args.ids.is_empty() || args.ids.contains(&position(m))) && args.filter.matches(m);
+    let cluster = args.topics.kafka.connection()?;
     let mut reader = {
-        let (brokers, topic) = (args.topics.kafka.kafka_brokers.clone(), dlq_topic.clone());
-        tokio::task::spawn_blocking(move || dlq::Reader::open(&brokers, &topic, READ_TIMEOUT))
+        let (cluster, topic) = (cluster.clone(), dlq_topic.clone());
+        tokio::task::spawn_blocking(move || dlq::Reader::open(&cluster, &topic, READ_TIMEOUT))
             .await?
             .with_context(|| format!("reading {dlq_topic}"))?
     };
@@ -466,7 +467,7 @@ async fn dlq_redrive(args: DlqRedriveArgs) -> anyhow::Result<()> {
     store.migrate().await.context("applying migrations")?;
     let by = args.by.clone().or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "unknown".into());
     let producer: rdkafka::producer::FutureProducer =
-        idem_kafka::ProducerSettings::new(&args.topics.kafka.kafka_brokers).client_config().create()?;
+        idem_kafka::ProducerSettings::new(&cluster).client_config().create()?;
     let target = args.to_topic.as_deref().unwrap_or(&args.topics.orders.orders_topic);
     let consumer_of = |m: &DeadLetterMessage| m.consumer_group().unwrap_or_else(|| args.topics.orders.group_id.clone());
     let (mut redriven, mut skipped, mut failed) = (Vec::new(), Vec::new(), Vec::new());

@@ -1,16 +1,14 @@
 //! `idem serve` and `idem relay`: wiring the adapters into the running service (HTTP first, then the
 //! Kafka side in the background), its background tasks, and the graceful drain.
 
-use crate::config::{
-    ConflictStatus, DbArgs, DedupStorageArg, KafkaArgs, LayerSwitch, RelayArgs, RelayOnlyArgs, ServeArgs,
-};
+use crate::config::{ConflictStatus, DbArgs, DedupStorageArg, LayerSwitch, RelayArgs, RelayOnlyArgs, ServeArgs};
 use crate::tasks::TaskGroup;
 use anyhow::Context;
 use axum::http::StatusCode;
 use idem_domain::usecases::OrderEventHandler;
 use idem_http::HttpMetrics;
 use idem_http::{ApiState, IdempotencyConfig, IdempotencyLayer};
-use idem_kafka::ProducerSettings;
+use idem_kafka::KafkaConnection;
 use idem_kafka::admin::ensure_topics_when_reachable;
 use idem_kafka::consumer::{Runner, RunnerSettings};
 use idem_kafka::probe::BrokerProbe;
@@ -26,8 +24,8 @@ use tower_http::trace::TraceLayer;
 
 use crate::{cancel_on_signal, connect, init_tracing, ops};
 
-fn relay_settings(kafka: &KafkaArgs, relay: &RelayArgs) -> RelaySettings {
-    let mut settings = RelaySettings::new(&kafka.kafka_brokers);
+fn relay_settings(cluster: &KafkaConnection, relay: &RelayArgs) -> RelaySettings {
+    let mut settings = RelaySettings::new(cluster);
     settings.batch_size = relay.outbox_batch_size;
     settings.poll_interval = relay.outbox_poll_interval;
     settings.min_claim_interval = relay.outbox_min_claim_interval;
@@ -39,12 +37,12 @@ fn relay_settings(kafka: &KafkaArgs, relay: &RelayArgs) -> RelaySettings {
 async fn spawn_relay(
     group: &mut TaskGroup,
     store: &PgStore,
-    kafka: &KafkaArgs,
+    cluster: &KafkaConnection,
     relay_args: &RelayArgs,
     registry: &mut Registry,
 ) -> anyhow::Result<()> {
     let wakeup = PgOutboxWakeup::connect(store).await.context("LISTEN for outbox notifications")?;
-    let relay = Relay::new(relay_settings(kafka, relay_args), Arc::new(store.clone()), Arc::new(SystemClock));
+    let relay = Relay::new(relay_settings(cluster, relay_args), Arc::new(store.clone()), Arc::new(SystemClock));
     relay.stats().register(registry);
     let token = group.token();
     group.spawn("outbox relay", async move { Ok(relay.run(Box::new(wakeup), token).await?) });
@@ -72,12 +70,14 @@ fn http_limits(args: &ServeArgs) -> idem_http::server::ServerLimits {
         header_read_timeout: args.http_header_read_timeout,
         body_read_timeout: args.http_body_read_timeout,
         max_connections: args.http_max_connections as usize,
+        request_timeout: args.http_request_timeout,
     }
 }
 
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     init_tracing(args.log_json);
     args.validate().map_err(anyhow::Error::msg)?;
+    let cluster = args.kafka.connection()?;
     tracing::info!(config = ?args, "starting idem");
     let store = connect(&args.db).await?.with_dedup_storage(match args.dedup_storage {
         DedupStorageArg::Table => DedupStorage::Table,
@@ -85,6 +85,13 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     });
     store.migrate().await.context("applying migrations")?;
     tracing::info!("migrations applied");
+    match store.durability().await {
+        Ok(durability) => match durability.risk() {
+            Some(risk) => tracing::warn!(%risk, "acknowledged commits are not protected against a failover"),
+            None => tracing::info!(?durability, "commits are confirmed by a synchronous standby"),
+        },
+        Err(e) => tracing::warn!(error = %e, "cannot read the replication settings"),
+    }
     let wanted = crate::guard::Wanted {
         group: &args.orders.group_id,
         topic: &args.orders.orders_topic,
@@ -143,19 +150,14 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let api_keys = args.api_keys.clone().with_concurrency_limit(args.merchant_concurrency as usize);
     let api = idem_http::router_with_metrics(state, Arc::new(api_keys), layer, http_metrics);
     // Order-event consumer
-    let mut settings = RunnerSettings::new(
-        &args.kafka.kafka_brokers,
-        &args.orders.group_id,
-        &args.orders.orders_topic,
-        checked.dedup_ttl,
-    );
+    let mut settings =
+        RunnerSettings::new(&cluster, &args.orders.group_id, &args.orders.orders_topic, checked.dedup_ttl);
     settings.dlq_topic = dlq_topic.clone();
     settings.batch_size = args.batch_size as usize;
     settings.batch_timeout = args.batch_timeout;
     settings.max_rejections = args.max_rejections;
     settings.consumer.session_timeout = args.session_timeout;
     settings.consumer.max_poll_interval = args.max_poll_interval;
-    settings.producer = ProducerSettings::new(&args.kafka.kafka_brokers);
     let handler = Arc::new(OrderEventHandler {
         clock: clock.clone(),
         ids: ids.clone(),
@@ -167,21 +169,21 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let runner = Runner::new(settings, bg_tm, clock.clone(), handler);
     runner.stats().register(&mut registry);
     let token = shutdown.clone();
-    let (brokers, partitions, replication) =
-        (args.kafka.kafka_brokers.clone(), args.kafka.topic_partitions, args.kafka.replication_factor);
+    let (topics_cluster, partitions, replication) =
+        (cluster.clone(), args.kafka.topic_partitions, args.kafka.replication_factor);
     let topics = [args.orders.orders_topic.clone(), dlq_topic, args.kafka.payments_topic.clone()];
     // Kafka may be down at start: the API serves at once (payments wait in the outbox), topics are created
     // in the background, and the consumer starts once they exist.
     group.spawn("order consumer", async move {
         let topics: Vec<&str> = topics.iter().map(String::as_str).collect();
-        if !ensure_topics_when_reachable(&brokers, &topics, partitions, replication, &token).await {
+        if !ensure_topics_when_reachable(&topics_cluster, &topics, partitions, replication, &token).await {
             return Ok(());
         }
         Ok(runner.run(token).await?)
     });
 
     // Outbox relay
-    spawn_relay(&mut group, &bg_store, &args.kafka, &args.relay, &mut registry).await?;
+    spawn_relay(&mut group, &bg_store, &cluster, &args.relay, &mut registry).await?;
 
     // TTL cleanup
     let partitions = (args.dedup_storage == DedupStorageArg::Partitioned)
@@ -203,7 +205,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     gauges.register(&mut registry);
     let ops = ops::Ops {
         store: bg_store.clone(),
-        broker: BrokerProbe::new(&args.kafka.kafka_brokers)?,
+        broker: BrokerProbe::new(&cluster)?,
         registry: Arc::new(registry),
         gauges,
         cleanup: cleanup_stats,
@@ -249,12 +251,13 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
 pub async fn relay_only(args: RelayOnlyArgs) -> anyhow::Result<()> {
     init_tracing(args.log_json);
+    let cluster = args.kafka.connection()?;
     let store = connect(&args.db).await?;
     store.migrate().await.context("applying migrations")?;
     let shutdown = CancellationToken::new();
     cancel_on_signal(shutdown.clone());
     let mut group = TaskGroup::new(shutdown);
-    spawn_relay(&mut group, &store, &args.kafka, &args.relay, &mut Registry::default()).await?;
+    spawn_relay(&mut group, &store, &cluster, &args.relay, &mut Registry::default()).await?;
     let result = group.wait(std::time::Duration::from_secs(20)).await;
     store.close().await;
     result

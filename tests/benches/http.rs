@@ -17,6 +17,7 @@
 
 mod common;
 
+use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -298,14 +299,14 @@ async fn main() -> anyhow::Result<()> {
     // One database per service and one for the ceiling: no relay publishes another phase's rows, and the
     // service can stay up (idle) while pgbench runs.
     let mut dbs = Vec::new();
-    for name in ["idem_bench_http", "idem_bench_http_idle", "idem_bench_http_ceiling"] {
+    for name in ["idem_bench_http", "idem_bench_http_idle", "idem_bench_http_ceiling", "idem_bench_http_pgbouncer"] {
         let db = fresh_database(&admin, name).await?;
         let store = idem_postgres::PgStore::connect(&db, &idem_postgres::PoolSettings::default()).await?;
         store.migrate().await?;
         store.close().await;
         dbs.push(db);
     }
-    let (db, idle_db, ceiling_db) = (&dbs[0], &dbs[1], &dbs[2]);
+    let (db, idle_db, ceiling_db, pooled_db) = (&dbs[0], &dbs[1], &dbs[2], &dbs[3]);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/sql/charge.sql");
 
     // BENCH_PHASES (on,replay,off,idle): the phases to run, for quick comparisons of one setting.
@@ -320,7 +321,23 @@ async fn main() -> anyhow::Result<()> {
     } else {
         None
     };
+    // Not in the default phases: the same charges through PgBouncer (transaction pooling, as many server
+    // connections as the service's pool), with DATABASE_POOLER=transaction, interleaved with the direct ones.
+    let bouncer = if wanted("pgbouncer") {
+        let port = sqlx::postgres::PgConnectOptions::from_str(pooled_db)?.get_port();
+        Some(idem_tests::infra::PgBouncer::start(port, 32).await?)
+    } else {
+        None
+    };
+    let pooled_svc = match &bouncer {
+        Some(b) => {
+            let env = [("DATABASE_POOLER", "transaction"), ("DATABASE_DIRECT_URL", pooled_db.as_str())];
+            Some(common::start_service_with(&bin, &b.url_for(pooled_db)?, 18083, "on", &env).await?)
+        }
+        None => None,
+    };
     let (mut ceiling, mut on, mut quiet) = (Ceiling::default(), Measured::default(), Measured::default());
+    let mut pooled = Measured::default();
     for _ in 0..rounds {
         ceiling.slice(ceiling_db, script, concurrency, seconds).await?;
         if let Some(svc) = &on_svc {
@@ -329,7 +346,12 @@ async fn main() -> anyhow::Result<()> {
         if let Some(svc) = &idle_svc {
             charges_slice(svc, idle_db, concurrency, duration, &mut quiet).await;
         }
+        if let Some(svc) = &pooled_svc {
+            charges_slice(svc, pooled_db, concurrency, duration, &mut pooled).await;
+        }
     }
+    drop(pooled_svc);
+    drop(bouncer);
     ceiling.slice(ceiling_db, script, concurrency, seconds).await?;
     drop(idle_svc);
 
@@ -352,7 +374,9 @@ async fn main() -> anyhow::Result<()> {
         None
     };
     let quiet_summary = wanted("idle").then(|| quiet.summary("charge, layer on, relay idle"));
-    let rows: Vec<Summary> = [&on_summary, &replays, &off, &quiet_summary].into_iter().flatten().cloned().collect();
+    let pooled_summary = wanted("pgbouncer").then(|| pooled.summary("charge through PgBouncer (transaction)"));
+    let rows: Vec<Summary> =
+        [&on_summary, &replays, &off, &quiet_summary, &pooled_summary].into_iter().flatten().cloned().collect();
     print_table(&rows);
     let tps = ceiling.rate();
     println!("{:<44} {:>10} {:>8} {:>12.0}", "ceiling: same SQL transaction via pgbench", "-", "-", tps);
@@ -363,6 +387,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if quiet_summary.is_some() {
         println!("slices (charges/s): relay idle {}", rates(&quiet.rates));
+    }
+    if pooled_summary.is_some() {
+        println!("slices (charges/s): through PgBouncer {}", rates(&pooled.rates));
     }
     let per_tx = |ms: f64| ms / ceiling.transactions.max(1.0);
     println!(
@@ -375,6 +402,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if quiet_summary.is_some() {
         quiet.print_costs("relay idle");
+    }
+    if pooled_summary.is_some() {
+        pooled.print_costs("through PgBouncer");
     }
     println!();
     if let (Some(on), Some(off)) = (&on_summary, &off) {
@@ -389,6 +419,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Some(quiet) = &quiet_summary {
         println!("relay idle / pgbench ceiling  = {:.2}  (diagnostic: the same, not publishing)", quiet.rate() / tps);
+    }
+    if let (Some(on), Some(pooled)) = (&on_summary, &pooled_summary) {
+        println!("through PgBouncer / direct    = {:.2}  (same run, interleaved slices)", pooled.rate() / on.rate());
     }
     if let (Some(on), Some(replays)) = (&on_summary, &replays) {
         println!(

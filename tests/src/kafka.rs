@@ -2,7 +2,6 @@
 
 use std::time::Duration;
 
-use rdkafka::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -13,7 +12,7 @@ pub fn unique_topic(prefix: &str) -> String {
 }
 
 pub async fn create_topic(brokers: &str, topic: &str, partitions: i32) -> anyhow::Result<()> {
-    idem_kafka::admin::ensure_topics(brokers, &[topic], partitions, idem_kafka::admin::Replication::Auto)
+    idem_kafka::admin::ensure_topics(&brokers.into(), &[topic], partitions, idem_kafka::admin::Replication::Auto)
         .await
         .map_err(anyhow::Error::msg)
 }
@@ -60,8 +59,18 @@ impl Read {
 
 /// Reads `topic` from the beginning with a fresh group until `want` messages arrived or `timeout` passed.
 pub async fn read_topic(brokers: &str, topic: &str, want: usize, timeout: Duration) -> anyhow::Result<Vec<Read>> {
-    let consumer: StreamConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
+    read_topic_from(&brokers.into(), topic, want, timeout).await
+}
+
+/// [`read_topic`] from a cluster reached with the deployment's properties (TLS, SASL).
+pub async fn read_topic_from(
+    cluster: &idem_kafka::KafkaConnection,
+    topic: &str,
+    want: usize,
+    timeout: Duration,
+) -> anyhow::Result<Vec<Read>> {
+    let consumer: StreamConsumer = cluster
+        .client_config()
         .set("group.id", format!("reader-{}", uuid::Uuid::new_v4().simple()))
         .set("enable.auto.commit", "false")
         .set("auto.offset.reset", "earliest")

@@ -231,6 +231,7 @@ pub async fn serve(router: axum::Router) -> anyhow::Result<String> {
 
 pub mod effects;
 pub mod faulty;
+pub mod infra;
 pub mod kafka;
 
 #[cfg(test)]

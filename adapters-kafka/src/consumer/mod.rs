@@ -78,7 +78,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use uuid::Uuid;
 
-use crate::client::{ConsumerSettings, ProducerSettings, breaks_session};
+use crate::client::{ConsumerSettings, KafkaConnection, ProducerSettings, breaks_session};
 
 mod errors;
 mod offsets;
@@ -128,20 +128,26 @@ pub struct RunnerSettings {
     pub max_rejections: u32,
     /// Retention of processed-event rows.
     pub dedup_ttl: TtlPolicy,
+    /// Longest time one batch's transaction may take, from BEGIN to COMMIT. One that takes longer (its
+    /// connection black-holed by a failover, with no RST to end the wait) is abandoned: rolled back unless
+    /// its commit was under way, and retried; the processed-event rows make the retry safe either way.
+    pub transaction_timeout: Duration,
 }
 
 impl RunnerSettings {
     /// Defaults: batches of 100 or 20 ms, 3 rejections before dead-lettering, `<topic>.dlq`.
-    pub fn new(brokers: &str, group_id: &str, topic: &str, dedup_ttl: TtlPolicy) -> Self {
+    pub fn new(cluster: impl Into<KafkaConnection>, group_id: &str, topic: &str, dedup_ttl: TtlPolicy) -> Self {
+        let cluster = cluster.into();
         Self {
-            consumer: ConsumerSettings::new(brokers, group_id),
-            producer: ProducerSettings::new(brokers),
+            consumer: ConsumerSettings::new(&cluster, group_id),
+            producer: ProducerSettings::new(cluster),
             topic: topic.to_owned(),
             dlq_topic: format!("{topic}.dlq"),
             batch_size: 100,
             batch_timeout: Duration::from_millis(20),
             max_rejections: 3,
             dedup_ttl,
+            transaction_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -571,7 +577,20 @@ impl Runner {
     }
 
     /// One unit of work over the batch. `dedup` says what records the events as applied.
+    /// [`Self::apply_unbounded`] within `transaction_timeout`.
     async fn apply(&self, events: &[&InboundEvent], dedup: Dedup) -> BatchOutcome {
+        let limit = self.settings.transaction_timeout;
+        match tokio::time::timeout(limit, self.apply_unbounded(events, dedup)).await {
+            Ok(outcome) => outcome,
+            Err(_) => BatchOutcome::Transient(StoreError::Unavailable(format!(
+                "the batch's transaction did not end within {} s: abandoned (rolled back unless its commit was \
+                 under way) and retried",
+                limit.as_secs()
+            ))),
+        }
+    }
+
+    async fn apply_unbounded(&self, events: &[&InboundEvent], dedup: Dedup) -> BatchOutcome {
         // Store failures outside the handler are never blamed on an event: retried, never dead-lettered.
         let failed = |e: StoreError| {
             if !e.is_transient() {

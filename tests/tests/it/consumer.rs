@@ -786,7 +786,7 @@ async fn the_dead_letter_reader_streams_bounded_batches() -> anyhow::Result<()> 
         produce(&p, &topic, Some(&key), b"{}", &[]).await?;
     }
     let sizes = tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<usize>> {
-        let mut reader = idem_kafka::dlq::Reader::open(&brokers, &topic, Duration::from_secs(30))?;
+        let mut reader = idem_kafka::dlq::Reader::open(&(&brokers).into(), &topic, Duration::from_secs(30))?;
         let mut sizes = Vec::new();
         loop {
             let batch = reader.next_batch(500)?;

@@ -757,7 +757,7 @@ async fn a_batch_refused_by_the_broker_is_attributed_per_row_before_any_quaranti
         uow.commit().await?;
     }
     mock.request_errors(RDKafkaApiKey::Produce, &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE]);
-    let mut settings = RelaySettings::new(&mock.bootstrap_servers());
+    let mut settings = RelaySettings::new(mock.bootstrap_servers());
     settings.quarantine_after = 1;
     let producer: rdkafka::producer::FutureProducer = settings.producer.client_config().create()?;
     let relay = Relay::new(settings, Arc::new(db.store.clone()), Arc::new(SystemClock));

@@ -1,0 +1,372 @@
+//! Production infrastructure the deployment tests start from Debian's packages: a certificate authority,
+//! a private TLS-only PostgreSQL cluster, PgBouncer in transaction mode, a TLS front (stunnel) before a
+//! private tansu, and a proxy that freezes the connections it carries (no RST, no FIN: a failover that
+//! black-holes them) while new ones pass.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+
+/// A CA with a server certificate for `localhost` and `127.0.0.1`, and a second CA that signed nothing
+/// of it (the wrong trust anchor).
+#[derive(Debug)]
+pub struct Pki {
+    _dir: tempfile::TempDir,
+    pub ca: PathBuf,
+    pub other_ca: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+}
+
+impl Pki {
+    pub fn new() -> anyhow::Result<Self> {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+        let dir = tempfile::Builder::new().prefix("idem-pki-").tempdir()?;
+        let ca = |name: &str| -> anyhow::Result<(rcgen::Certificate, KeyPair)> {
+            let key = KeyPair::generate()?;
+            let mut params = CertificateParams::new(Vec::<String>::new())?;
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            params.distinguished_name.push(DnType::CommonName, name);
+            params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+            Ok((params.self_signed(&key)?, key))
+        };
+        let (ca_cert, ca_key) = ca("idem test CA")?;
+        let (other_cert, _) = ca("idem test CA")?; // same name, another key: only the signature tells
+        let server_key = KeyPair::generate()?;
+        let mut params = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])?;
+        params.distinguished_name.push(DnType::CommonName, "localhost");
+        let server = params.signed_by(&server_key, &ca_cert, &ca_key)?;
+        let write = |name: &str, pem: String| -> anyhow::Result<PathBuf> {
+            let path = dir.path().join(name);
+            std::fs::write(&path, pem)?;
+            Ok(path)
+        };
+        Ok(Self {
+            ca: write("ca.pem", ca_cert.pem())?,
+            other_ca: write("other-ca.pem", other_cert.pem())?,
+            server_cert: write("server.pem", server.pem())?,
+            server_key: write("server.key", server_key.serialize_pem())?,
+            _dir: dir,
+        })
+    }
+}
+
+fn is_root() -> bool {
+    Command::new("id").arg("-u").output().map(|o| o.stdout.starts_with(b"0\n")).unwrap_or(false)
+}
+
+/// `program` run as the `postgres` user when the tests run as root (initdb, postgres and pgbouncer refuse
+/// root).
+fn as_postgres(program: &Path) -> Command {
+    if is_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
+fn give_to_postgres(path: &Path) -> anyhow::Result<()> {
+    if is_root() {
+        let status = Command::new("chown").args(["-R", "postgres:postgres"]).arg(path).status()?;
+        anyhow::ensure!(status.success(), "chown {}", path.display());
+    }
+    Ok(())
+}
+
+fn run(mut cmd: Command, what: &str) -> anyhow::Result<()> {
+    let out = cmd.output().with_context(|| format!("running {what}"))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{what} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+/// PostgreSQL's server programs (the newest installed major version, or `PG_BINDIR`).
+pub fn pg_bindir() -> anyhow::Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("PG_BINDIR") {
+        return Ok(dir.into());
+    }
+    let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| Some((e.file_name().to_str()?.parse().ok()?, e.path().join("bin"))))
+        .filter(|(_, bin): &(u32, PathBuf)| bin.join("initdb").exists())
+        .collect();
+    found.sort();
+    found.pop().map(|(_, bin)| bin).context("no PostgreSQL server under /usr/lib/postgresql")
+}
+
+async fn wait_for_port(port: u16, what: &str) -> anyhow::Result<()> {
+    for _ in 0..200 {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    anyhow::bail!("{what} did not listen on {port}")
+}
+
+/// A private PostgreSQL cluster that accepts only TLS connections with a SCRAM password on TCP
+/// (`hostssl … scram-sha-256`; plain TCP is rejected by `pg_hba.conf`). Stopped when dropped.
+#[derive(Debug)]
+pub struct TlsPostgres {
+    dir: tempfile::TempDir,
+    bindir: PathBuf,
+    pub port: u16,
+    pub password: String,
+}
+
+impl TlsPostgres {
+    pub async fn start(pki: &Pki, password: &str) -> anyhow::Result<Self> {
+        let bindir = pg_bindir()?;
+        let dir = tempfile::Builder::new().prefix("idem-tlspg-").tempdir()?;
+        let data = dir.path().join("data");
+        let pwfile = dir.path().join("pw");
+        std::fs::write(&pwfile, password)?;
+        give_to_postgres(dir.path())?;
+        let mut initdb = as_postgres(&bindir.join("initdb"));
+        initdb.arg("-D").arg(&data).args(["-U", "postgres", "--auth-local=trust", "--auth-host=scram-sha-256"]);
+        initdb.arg(format!("--pwfile={}", pwfile.display())).stdout(Stdio::null());
+        run(initdb, "initdb")?;
+        std::fs::copy(&pki.server_cert, data.join("server.crt"))?;
+        std::fs::copy(&pki.server_key, data.join("server.key"))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(data.join("server.key"), std::fs::Permissions::from_mode(0o600))?;
+        }
+        let port = crate::port_for_child();
+        let conf = format!(
+            "\nport = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{}'\nssl = on\n\
+             ssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\nfsync = off\nshared_buffers = 32MB\n\
+             max_connections = 60\n",
+            dir.path().display()
+        );
+        let mut pg_conf = std::fs::OpenOptions::new().append(true).open(data.join("postgresql.conf"))?;
+        std::io::Write::write_all(&mut pg_conf, conf.as_bytes())?;
+        std::fs::write(
+            data.join("pg_hba.conf"),
+            "local all all trust\nhostssl all all 127.0.0.1/32 scram-sha-256\nhostssl all all ::1/128 scram-sha-256\n",
+        )?;
+        give_to_postgres(dir.path())?;
+        let mut start = as_postgres(&bindir.join("pg_ctl"));
+        start.arg("-D").arg(&data).arg("-l").arg(dir.path().join("log")).args(["-w", "start"]).stdout(Stdio::null());
+        run(start, "pg_ctl start")?;
+        Ok(Self { dir, bindir, port, password: password.to_owned() })
+    }
+
+    /// A URL for the `postgres` user with its password and `params` (`sslmode=…&sslrootcert=…`).
+    pub fn url(&self, host: &str, params: &str) -> String {
+        format!("postgres://postgres:{}@{host}:{}/postgres?{params}", self.password, self.port)
+    }
+
+    /// The server's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("log")).unwrap_or_default()
+    }
+}
+
+impl Drop for TlsPostgres {
+    fn drop(&mut self) {
+        let mut stop = as_postgres(&self.bindir.join("pg_ctl"));
+        stop.arg("-D").arg(self.dir.path().join("data")).args(["-m", "immediate", "stop"]);
+        let _ = stop.stdout(Stdio::null()).stderr(Stdio::null()).status();
+    }
+}
+
+/// Debian's PgBouncer in transaction pooling mode with the usual settings (`ignore_startup_parameters =
+/// extra_float_digits`), in front of the server on `upstream_port`, with `pool_size` server connections per
+/// database. Stopped when dropped.
+#[derive(Debug)]
+pub struct PgBouncer {
+    _dir: tempfile::TempDir,
+    child: Child,
+    pub port: u16,
+}
+
+impl PgBouncer {
+    pub async fn start(upstream_port: u16, pool_size: u32) -> anyhow::Result<Self> {
+        let bin = ["/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"]
+            .into_iter()
+            .map(PathBuf::from)
+            .find(|p| p.exists())
+            .context("pgbouncer is not installed (scripts/services.sh installs it)")?;
+        let dir = tempfile::Builder::new().prefix("idem-pgbouncer-").tempdir()?;
+        let port = crate::port_for_child();
+        let ini = dir.path().join("pgbouncer.ini");
+        std::fs::write(dir.path().join("users.txt"), "\"postgres\" \"\"\n")?;
+        std::fs::write(
+            &ini,
+            format!(
+                "[databases]\n* = host=127.0.0.1 port={upstream_port}\n\n[pgbouncer]\nlisten_addr = 127.0.0.1\n\
+                 listen_port = {port}\nunix_socket_dir =\nauth_type = trust\nauth_file = {users}\n\
+                 pool_mode = transaction\nignore_startup_parameters = extra_float_digits\n\
+                 max_client_conn = 2000\ndefault_pool_size = {pool_size}\nlogfile = {log}\n",
+                users = dir.path().join("users.txt").display(),
+                log = dir.path().join("pgbouncer.log").display(),
+            ),
+        )?;
+        give_to_postgres(dir.path())?;
+        let child = as_postgres(&bin).arg(&ini).stdout(Stdio::null()).stderr(Stdio::null()).spawn()?;
+        wait_for_port(port, "pgbouncer").await?;
+        Ok(Self { _dir: dir, child, port })
+    }
+
+    /// `url` (a database on the upstream server) rewritten to go through this PgBouncer.
+    pub fn url_for(&self, url: &str) -> anyhow::Result<String> {
+        let (head, rest) = url.split_once("://").context("url without scheme")?;
+        let (auth, after) = rest.rsplit_once('@').map(|(a, r)| (format!("{a}@"), r)).unwrap_or((String::new(), rest));
+        let path = after.find('/').map(|i| &after[i..]).unwrap_or("/postgres");
+        Ok(format!("{head}://{auth}127.0.0.1:{}{path}", self.port))
+    }
+}
+
+impl Drop for PgBouncer {
+    fn drop(&mut self) {
+        // runuser forwards the signal to pgbouncer
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let _ = self.child.wait();
+    }
+}
+
+/// A private tansu broker reachable only through Debian's stunnel (TLS with the [`Pki`]'s server
+/// certificate): it advertises the TLS port, so every client connection is encrypted.
+#[derive(Debug)]
+pub struct TlsBroker {
+    _dir: tempfile::TempDir,
+    broker: Child,
+    stunnel: Child,
+    /// Bootstrap address (the TLS port).
+    pub bootstrap: String,
+}
+
+impl TlsBroker {
+    pub async fn start(pki: &Pki) -> anyhow::Result<Self> {
+        let bin = crate::kafka::tansu_bin();
+        anyhow::ensure!(bin.exists(), "tansu binary not found at {} (run scripts/services.sh)", bin.display());
+        let stunnel_bin = ["/usr/bin/stunnel4", "/usr/bin/stunnel"]
+            .into_iter()
+            .map(PathBuf::from)
+            .find(|p| p.exists())
+            .context("stunnel4 is not installed (scripts/services.sh installs it)")?;
+        let (broker_port, tls_port) = (crate::port_for_child(), crate::port_for_child());
+        let broker = Command::new(bin)
+            .arg("broker")
+            .arg("--listener-url")
+            .arg(format!("tcp://127.0.0.1:{broker_port}"))
+            .arg("--advertised-listener-url")
+            .arg(format!("tcp://localhost:{tls_port}"))
+            .arg("--storage-engine")
+            .arg("memory://tansu/")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let dir = tempfile::Builder::new().prefix("idem-stunnel-").tempdir()?;
+        let conf = dir.path().join("stunnel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "foreground = yes\npid =\nsyslog = no\ndebug = 3\n[kafka]\naccept = 127.0.0.1:{tls_port}\n\
+                 connect = 127.0.0.1:{broker_port}\ncert = {}\nkey = {}\n",
+                pki.server_cert.display(),
+                pki.server_key.display()
+            ),
+        )?;
+        let stunnel = Command::new(stunnel_bin).arg(&conf).stdout(Stdio::null()).stderr(Stdio::null()).spawn()?;
+        let me = Self { _dir: dir, broker, stunnel, bootstrap: format!("localhost:{tls_port}") };
+        wait_for_port(broker_port, "tansu").await?;
+        wait_for_port(tls_port, "stunnel").await?;
+        Ok(me)
+    }
+
+    /// A properties file for clients of this broker, trusting `ca`.
+    pub fn properties(&self, ca: &Path) -> String {
+        format!(
+            "security.protocol=SSL\nssl.ca.location={}\nssl.endpoint.identification.algorithm=https\n",
+            ca.display()
+        )
+    }
+}
+
+impl Drop for TlsBroker {
+    fn drop(&mut self) {
+        for child in [&mut self.stunnel, &mut self.broker] {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A TCP proxy to `upstream` whose [`freeze`](Self::freeze) stops every connection it carries at that
+/// moment: their bytes are no longer forwarded in either direction and the sockets stay open (no RST, no
+/// FIN), as when a failover moves a virtual IP and the old path black-holes. Connections accepted later pass.
+#[derive(Debug)]
+pub struct FreezingProxy {
+    pub port: u16,
+    generation: Arc<Mutex<CancellationToken>>,
+    frozen: Arc<std::sync::atomic::AtomicUsize>,
+    stop: CancellationToken,
+}
+
+impl FreezingProxy {
+    pub async fn start(upstream: u16) -> anyhow::Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let generation = Arc::new(Mutex::new(CancellationToken::new()));
+        let (frozen, stop) = (Arc::new(std::sync::atomic::AtomicUsize::new(0)), CancellationToken::new());
+        let (gen_loop, frozen_loop, stop_loop) = (generation.clone(), frozen.clone(), stop.clone());
+        tokio::spawn(async move {
+            loop {
+                let (client, _) = tokio::select! {
+                    _ = stop_loop.cancelled() => return,
+                    accepted = listener.accept() => match accepted { Ok(a) => a, Err(_) => continue },
+                };
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else { continue };
+                let freeze = gen_loop.lock().map(|g| g.clone()).unwrap_or_default();
+                let (frozen, stop) = (frozen_loop.clone(), stop_loop.clone());
+                tokio::spawn(async move {
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut sr, mut sw) = server.into_split();
+                    let pump = async {
+                        let _ = tokio::join!(tokio::io::copy(&mut cr, &mut sw), tokio::io::copy(&mut sr, &mut cw));
+                    };
+                    tokio::select! {
+                        _ = pump => return,
+                        _ = freeze.cancelled() => {}
+                    }
+                    // frozen: hold both sockets open and silent until the proxy is dropped
+                    frozen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    stop.cancelled().await;
+                    drop((cr, cw, sr, sw));
+                });
+            }
+        });
+        Ok(Self { port, generation, frozen, stop })
+    }
+
+    /// Freezes every connection open now; later ones pass.
+    pub fn freeze(&self) {
+        if let Ok(mut g) = self.generation.lock() {
+            g.cancel();
+            *g = CancellationToken::new();
+        }
+    }
+
+    /// Connections frozen so far.
+    pub fn frozen(&self) -> usize {
+        self.frozen.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for FreezingProxy {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}

@@ -1,0 +1,330 @@
+//! Deploying idem on production infrastructure (issue 23): the real `idem` binary against a TLS-only
+//! PostgreSQL, through PgBouncer in transaction mode, with Kafka over TLS, with properties that would break
+//! its guarantees, and through a database path a failover freezes.
+
+#![allow(clippy::disallowed_methods)] // tests make their own ids and read the clock
+#![allow(clippy::print_stdout, clippy::unwrap_used)]
+
+#[allow(dead_code)]
+#[path = "../faults/harness.rs"]
+mod harness;
+
+use std::time::{Duration, Instant};
+
+use harness::{Service, charge_request};
+use idem_http::client::IdemClient;
+use idem_tests::TestDb;
+use idem_tests::effects::{charges_executed_twice, log_order_applications, log_payment_attempts, orders_applied_twice};
+use idem_tests::infra::{FreezingProxy, PgBouncer, Pki, TlsBroker, TlsPostgres};
+use idem_tests::kafka::{eventually, produce, producer};
+use serde_json::json;
+use uuid::Uuid;
+
+fn placed(order: Uuid, external: &str) -> String {
+    json!({
+        "type": "OrderPlaced", "order_id": order, "customer_id": Uuid::now_v7(), "amount": "10.00",
+        "currency": "EUR", "provider": "deploy", "external_payment_id": external, "version": 1,
+    })
+    .to_string()
+}
+
+async fn count(db: &TestDb, sql: &str) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar(sql).fetch_one(db.pool()).await?)
+}
+
+/// `n` charges, `at_once` in flight, each then replayed once: every first answer 201, every replay the
+/// same payment.
+async fn charge_and_replay(client: &IdemClient, prefix: &str, n: usize, at_once: usize) -> anyhow::Result<()> {
+    let requests: Vec<(String, String)> =
+        (0..n).map(|i| (IdemClient::new_key(), format!("{prefix}-{i}-{}", Uuid::now_v7().simple()))).collect();
+    for chunk in requests.chunks(at_once) {
+        let firsts = futures::future::join_all(chunk.iter().map(|(key, external)| {
+            let request = charge_request(external);
+            async move {
+                let first = client.charge(key, &request).await?;
+                let again = client.charge(key, &request).await?;
+                anyhow::Ok((first, again))
+            }
+        }))
+        .await;
+        for answer in firsts {
+            let (first, again) = answer?;
+            assert_eq!(first.status, 201, "{:?}", first.body);
+            assert!(again.replayed && again.body == first.body, "the replay differs: {again:?} vs {first:?}");
+        }
+    }
+    Ok(())
+}
+
+/// Issue 23.3: behind PgBouncer 1.18 in transaction mode (4 server connections for ~30 client ones, the
+/// usual `ignore_startup_parameters = extra_float_digits`), with `DATABASE_POOLER=transaction`: charges and
+/// their replays, order events consumed, the relay publishing, `idem cleanup` and `/readyz` all work, and
+/// each charge and event is executed once. Before: 2 of 3 charges answered 500 (`42P05: prepared statement
+/// "sqlx_s_1" already exists`), and the `options` startup parameter was refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_service_runs_behind_pgbouncer_in_transaction_mode() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    log_payment_attempts(&db).await?;
+    log_order_applications(&db).await?;
+    let upstream: u16 = db.store.pool().connect_options().get_port();
+    let bouncer = PgBouncer::start(upstream, 4).await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&bouncer.url_for(&db.url)?, &brokers)
+        .with_env("DATABASE_POOLER", "transaction")
+        .with_env("DATABASE_DIRECT_URL", &db.url);
+    service.start().await?;
+    let client = service.client();
+    charge_and_replay(&client, "pgb", 30, 10).await?;
+
+    // order events through the consumer, whose batches and bookkeeping run through the pooler
+    let p = producer(&brokers)?;
+    let orders: Vec<Uuid> = (0..10).map(|_| Uuid::now_v7()).collect();
+    for order in &orders {
+        let body = placed(*order, &format!("pgb-order-{order}"));
+        let id = Uuid::now_v7().to_string();
+        produce(&p, &service.orders_topic, Some(&order.to_string()), body.as_bytes(), &[("event_id", id.as_bytes())])
+            .await?;
+    }
+    let applied = eventually(Duration::from_secs(60), || async {
+        Ok(count(&db, "SELECT count(*) FROM order_projection").await? >= orders.len() as i64)
+    })
+    .await?;
+    assert!(applied, "order events were not applied through the pooler");
+    // the relay publishes every charge through the pooler: the outbox drains
+    let drained = eventually(Duration::from_secs(60), || async {
+        Ok(count(&db, "SELECT count(*) FROM outbox_message").await? == 0)
+    })
+    .await?;
+    assert!(drained, "the relay did not drain the outbox through the pooler");
+    let published =
+        idem_tests::kafka::read_topic(&brokers, &service.payments_topic, 40, Duration::from_secs(30)).await?;
+    assert_eq!(published.len(), 40, "30 charges and 10 orders publish 40 payment events");
+
+    let ready = reqwest::get(format!("{}/readyz", service.admin)).await?;
+    assert_eq!(ready.status(), 200, "{}", ready.text().await?);
+    // an operator's cleanup through the pooler (only the pooled URL: nothing needs a session)
+    let cleanup = Service::new(&bouncer.url_for(&db.url)?, &brokers)
+        .with_env("DATABASE_POOLER", "transaction")
+        .idem(&["cleanup", "--once"])?;
+    assert!(cleanup.status.success(), "{}", String::from_utf8_lossy(&cleanup.stderr));
+
+    assert_eq!(charges_executed_twice(&db).await?, vec![], "a charge was executed twice");
+    assert_eq!(orders_applied_twice(&db).await?, vec![], "an order event was applied twice");
+    assert_eq!(count(&db, "SELECT count(*) FROM payment").await?, 40);
+    assert!(service.terminate(), "idem did not stop cleanly");
+    Ok(())
+}
+
+/// Issue 23.1: a PostgreSQL that accepts only TLS with a SCRAM password (`hostssl … scram-sha-256`, plain TCP
+/// rejected) serves idem with `sslmode=verify-full`; a root certificate of another CA is refused at start
+/// with a message naming the certificate problem; the password appears in no output. Before: "TLS upgrade
+/// required by connect options but SQLx was built without TLS support enabled".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_over_tls_only_is_verified_and_a_wrong_ca_is_refused() -> anyhow::Result<()> {
+    let pki = Pki::new()?;
+    let password = "tls_pw_8841";
+    let pg = TlsPostgres::start(&pki, password).await?;
+    // plain TCP is rejected by the server: the test really runs on a TLS-only cluster
+    let plain = sqlx::PgPool::connect(&pg.url("127.0.0.1", "sslmode=disable")).await;
+    let plain_error = plain.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(plain_error.contains("no encryption") || plain_error.contains("pg_hba"), "{plain_error}");
+
+    let verified = pg.url("localhost", &format!("sslmode=verify-full&sslrootcert={}", pki.ca.display()));
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&verified, &brokers);
+    service.start().await.map_err(|e| anyhow::anyhow!("{e}\nserver log:\n{}", pg.log()))?;
+    charge_and_replay(&service.client(), "tls", 4, 4).await?;
+    let ready = reqwest::get(format!("{}/readyz", service.admin)).await?;
+    assert_eq!(ready.status(), 200);
+    // an operator's subcommand over the same TLS connection
+    let migrate = service.idem(&["migrate"])?;
+    assert!(migrate.status.success(), "{}", String::from_utf8_lossy(&migrate.stderr));
+    // every connection was TLS: the server lists none without it
+    let check = sqlx::PgPool::connect(&verified).await?;
+    let unencrypted: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid)
+         WHERE a.backend_type = 'client backend' AND NOT s.ssl",
+    )
+    .fetch_one(&check)
+    .await?;
+    assert_eq!(unencrypted, 0);
+    let valid_output = service.serve_output().await?;
+    service.terminate();
+
+    let wrong = pg.url("localhost", &format!("sslmode=verify-full&sslrootcert={}", pki.other_ca.display()));
+    let refused = Service::new(&wrong, &brokers).serve_output().await?;
+    assert!(
+        refused.contains("certificate") && !refused.contains("HTTP API listening"),
+        "a certificate of another CA was not refused by name:\n{refused}"
+    );
+    for out in [&valid_output, &refused] {
+        assert!(!out.contains(password), "the password was printed:\n{out}");
+    }
+    Ok(())
+}
+
+/// Issue 23.2: with `KAFKA_CONFIG_FILE` (`security.protocol=SSL`, the CA), payments are published and orders
+/// consumed through a TLS-only broker front; with another CA, `/readyz` reports the broker down and the log
+/// names the certificate problem while HTTP keeps serving (the charge waits in the outbox). Before: rdkafka
+/// was built without SSL and no property could be set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_over_tls_publishes_and_consumes_and_a_wrong_ca_shows_in_readyz() -> anyhow::Result<()> {
+    let pki = Pki::new()?;
+    let broker = TlsBroker::start(&pki).await?;
+    let dir = tempfile::tempdir()?;
+    let (good, bad) = (dir.path().join("good.properties"), dir.path().join("bad.properties"));
+    std::fs::write(&good, broker.properties(&pki.ca))?;
+    std::fs::write(&bad, broker.properties(&pki.other_ca))?;
+    let cluster = idem_kafka::KafkaConnection::new(&broker.bootstrap).with_properties(&broker.properties(&pki.ca))?;
+
+    let db = TestDb::new().await?;
+    log_order_applications(&db).await?;
+    let mut service =
+        Service::new(&db.url, &broker.bootstrap).with_env("KAFKA_CONFIG_FILE", good.to_str().unwrap_or_default());
+    service.start().await?;
+    charge_and_replay(&service.client(), "ktls", 3, 3).await?;
+    let p: rdkafka::producer::FutureProducer = idem_kafka::ProducerSettings::new(&cluster).client_config().create()?;
+    let order = Uuid::now_v7();
+    let id = Uuid::now_v7().to_string();
+    let (body, key) = (placed(order, &format!("ktls-order-{order}")), order.to_string());
+    // the topics exist once the service created them through TLS
+    let created = eventually(Duration::from_secs(30), || async {
+        let headers: [(&str, &[u8]); 1] = [("event_id", id.as_bytes())];
+        Ok(produce(&p, &service.orders_topic, Some(&key), body.as_bytes(), &headers).await.is_ok())
+    })
+    .await?;
+    assert!(created, "could not produce an order over TLS");
+    let applied = eventually(Duration::from_secs(60), || async {
+        Ok(count(&db, "SELECT count(*) FROM order_projection").await? == 1)
+    })
+    .await?;
+    assert!(applied, "the order event was not consumed over TLS");
+    let published =
+        idem_tests::kafka::read_topic_from(&cluster, &service.payments_topic, 4, Duration::from_secs(30)).await?;
+    assert_eq!(published.len(), 4, "3 charges and one order publish 4 payment events over TLS");
+    let ready = reqwest::get(format!("{}/readyz", service.admin)).await?;
+    assert_eq!(ready.status(), 200, "{}", ready.text().await?);
+    service.terminate();
+
+    // another CA: the API serves, readiness says the broker is unreachable, the log says why
+    let db2 = TestDb::new().await?;
+    let wrong = Service::new(&db2.url, &broker.bootstrap)
+        .with_env("KAFKA_CONFIG_FILE", bad.to_str().unwrap_or_default())
+        .with_env("SHUTDOWN_TIMEOUT", "2s"); // the relay's deliveries cannot finish: no long drain
+    let mut wrong_started = wrong;
+    wrong_started.start().await?;
+    charge_and_replay(&wrong_started.client(), "ktls-bad", 1, 1).await?;
+    let ready = reqwest::get(format!("{}/readyz", wrong_started.admin)).await?;
+    let (status, text) = (ready.status(), ready.text().await?);
+    assert_eq!(status, 503, "{text}");
+    assert!(text.contains("kafka") || text.contains("broker"), "{text}");
+    assert_eq!(count(&db2, "SELECT count(*) FROM outbox_message").await?, 1, "the charge waits in the outbox");
+    wrong_started.terminate();
+    let log = Service::new(&db2.url, &broker.bootstrap)
+        .with_env("KAFKA_CONFIG_FILE", bad.to_str().unwrap_or_default())
+        .with_env("SHUTDOWN_TIMEOUT", "2s")
+        .serve_output()
+        .await?;
+    assert!(
+        log.contains("certificate verify failed") || log.contains("certificate"),
+        "the log does not say why:\n{log}"
+    );
+    Ok(())
+}
+
+/// Issue 23.2: a properties file may not override what idem's guarantees rest on; the start fails naming
+/// the property and the reason, never the value. A SASL password comes from a file and is never printed.
+#[tokio::test]
+async fn kafka_properties_that_break_guarantees_are_refused_at_start() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let dir = tempfile::tempdir()?;
+    let props = dir.path().join("client.properties");
+    std::fs::write(&props, "linger.ms=5\nenable.idempotence=false_secretish\n")?;
+    let out =
+        Service::new(&db.url, &brokers).with_env("KAFKA_CONFIG_FILE", props.to_str().unwrap()).serve_output().await?;
+    assert!(out.contains("`enable.idempotence` cannot be set"), "{out}");
+    assert!(!out.contains("false_secretish") && !out.contains("HTTP API listening"), "{out}");
+
+    let password = dir.path().join("sasl");
+    std::fs::write(&password, "sasl_pw_55120\n")?;
+    std::fs::write(&props, "linger.ms=5\n")?;
+    let out = Service::new(&db.url, &brokers)
+        .with_env("KAFKA_CONFIG_FILE", props.to_str().unwrap())
+        .with_env("KAFKA_SASL_PASSWORD_FILE", password.to_str().unwrap())
+        .serve_output()
+        .await?;
+    assert!(out.contains("HTTP API listening"), "{out}");
+    assert!(!out.contains("sasl_pw_55120"), "the SASL password was printed:\n{out}");
+    // issue 23.5: this machine's server has no synchronous standby, and the start says what that risks
+    assert!(out.contains("no synchronous standby"), "no warning about asynchronous replication:\n{out}");
+    Ok(())
+}
+
+/// Issue 23.4: the database path freezes (a failover that black-holes the old connections: no RST, no
+/// FIN) while new connections reach a healthy server. Requests in flight are answered within the request
+/// timeout, new ones are served on fresh connections within seconds, and no pool slot stays lost: after
+/// the freeze more charges than the pool has connections all succeed. Before: the ping and BEGIN on a
+/// reused connection and the rollback of an abandoned one had no bound, so every slot hung on a frozen
+/// connection until the kernel gave up (~15 min).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_database_path_fails_over_within_seconds_and_loses_no_slot() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    log_payment_attempts(&db).await?;
+    let upstream: u16 = db.store.pool().connect_options().get_port();
+    let proxy = FreezingProxy::start(upstream).await?;
+    let through = db.url.replacen(&format!(":{upstream}/"), &format!(":{}/", proxy.port), 1);
+    anyhow::ensure!(through != db.url, "cannot route {} through the proxy", db.url);
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&through, &brokers)
+        .with_env("DATABASE_MAX_CONNECTIONS", "6")
+        .with_env("HTTP_REQUEST_TIMEOUT", "5s");
+    service.start().await?;
+    let client = service.client();
+    charge_and_replay(&client, "warm", 12, 6).await?; // every pool connection opened and resting
+    // a request in flight when the path freezes: a charge whose insert waits on a table lock
+    let mut blocker = sqlx::PgConnection::connect(&db.url).await?;
+    sqlx::query("BEGIN").execute(&mut blocker).await?;
+    sqlx::query("LOCK TABLE payment IN EXCLUSIVE MODE").execute(&mut blocker).await?;
+    let in_flight = {
+        let url = format!("{}/payments", service.base);
+        let body = serde_json::to_vec(&charge_request("frozen-in-flight"))?;
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let reply = reqwest::Client::new()
+                .post(url)
+                .header("Idempotency-Key", IdemClient::new_key())
+                .header("Authorization", format!("Bearer {}", harness::API_KEY))
+                .header("Content-Type", "application/json")
+                .body(body)
+                .send()
+                .await;
+            (reply.map(|r| r.status().as_u16()), started.elapsed())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    proxy.freeze();
+    sqlx::query("ROLLBACK").execute(&mut blocker).await?;
+    tokio::time::sleep(Duration::from_millis(1500)).await; // the pool's connections rest: pinged before reuse
+    let started = Instant::now();
+    let reply = client.charge(&IdemClient::new_key(), &charge_request("after-freeze")).await?;
+    let first_after = started.elapsed();
+    assert_eq!(reply.status, 201);
+    assert!(first_after < Duration::from_secs(10), "the first charge after the freeze took {first_after:?}");
+    let (in_flight, waited) = in_flight.await?;
+    assert_eq!(in_flight?, 503, "the request in flight on a frozen connection was not answered");
+    assert!(waited < Duration::from_secs(8), "the request in flight was answered after {waited:?}");
+    // no slot lost: twice the pool's size at once, all served
+    let started = Instant::now();
+    charge_and_replay(&client, "after", 12, 12).await?;
+    println!(
+        "first charge after the freeze {first_after:?}; 12 more charges and replays in {:?}; {} connections frozen",
+        started.elapsed(),
+        proxy.frozen()
+    );
+    assert!(proxy.frozen() >= 6, "the freeze caught {} connections only", proxy.frozen());
+    assert_eq!(charges_executed_twice(&db).await?, vec![], "a charge was executed twice");
+    Ok(())
+}
+
+use sqlx::Connection;
