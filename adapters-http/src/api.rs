@@ -95,8 +95,8 @@ fn invalid(field: impl Into<String>, detail: impl Into<String>) -> ApiError {
 }
 
 fn not_found() -> ApiError {
-    // Nothing ran: a refusal that leaves the Idempotency-Key free for the corrected request.
-    Problem::new(ProblemKind::NotFound, StatusCode::NOT_FOUND).detail("no such payment").unexecuted().into()
+    // Like every refusal, rolled back: the Idempotency-Key stays free for the corrected request.
+    Problem::new(ProblemKind::NotFound, StatusCode::NOT_FOUND).detail("no such payment").into()
 }
 
 /// Parses a JSON object body, checking the media type; names unknown fields.
@@ -241,8 +241,11 @@ pub async fn charge(
         Ok(ChargeOutcome::AlreadyCharged(p)) => {
             Ok(json_response(StatusCode::OK, &PaymentBody::from(&p), Some(format!("/payments/{}", p.id))))
         }
+        // The one refusal stored on purpose: the key was used for a charge that collides with a payment
+        // that exists for good, so every retry with the key gets this answer (the seed's rule)
         Err(ChargeError::DetailsDiffer { .. }) => Err(Problem::new(ProblemKind::PaymentConflict, StatusCode::CONFLICT)
             .detail("a payment with this provider and external_payment_id exists with different details")
+            .commit()
             .into()),
         Err(ChargeError::TakenByAnotherMerchant { other_merchant }) => {
             // Policy: (provider, external_payment_id) is unique across merchants (the second protection of
@@ -257,6 +260,7 @@ pub async fn charge(
             );
             Err(Problem::new(ProblemKind::PaymentConflict, StatusCode::CONFLICT)
                 .detail("this provider and external_payment_id cannot be used for a new payment")
+                .commit()
                 .into())
         }
         Err(ChargeError::Store(e)) => Err(e.into()),
@@ -320,12 +324,11 @@ pub async fn refund(
         Err(RefundError::NotFound) => Err(not_found()),
         // Refusals that depend on the payment (its currency, what is left to refund, its status) conflict
         // with the state of the resource: 409, not 422 (the request itself is well-formed).
-        // Nothing was written, and the request can never succeed as sent: the key stays free for the
-        // corrected amount (as for any invalid field).
+        // Refusals roll back and store nothing: the key stays free for the corrected amount, or for a retry
+        // once the payment's state allows it.
         Err(RefundError::Amount(e)) => Err(Problem::new(ProblemKind::AmountFinerThanCurrency, StatusCode::CONFLICT)
             .field("amount")
             .detail(e.to_string())
-            .unexecuted()
             .into()),
         Err(RefundError::Rule(e @ RefundRuleError::ExceedsCaptured { .. })) => {
             Err(Problem::new(ProblemKind::RefundExceedsCaptured, StatusCode::CONFLICT)

@@ -8,10 +8,12 @@
 //!    409/422 for a different request, 409 + `Retry-After` while the first is still running;
 //! 4. otherwise hands the unit of work to the handler through a request extension (extractor [`Tx`]);
 //!    the handler writes its business rows through it and returns;
-//! 5. for a 2xx/4xx answer, stores status, allow-listed headers and body in the same unit and commits —
+//! 5. for a 1xx–3xx answer, stores status, allow-listed headers and body in the same unit and commits —
 //!    the business effect and its idempotency record become visible together, or not at all;
-//!    for a 5xx answer, or a 4xx the handler marked [`Unexecuted`] (input rejected before anything ran),
-//!    rolls everything back and stores nothing, so a retry executes again.
+//!    for a 4xx or 5xx answer rolls everything back and stores nothing — the handler's writes included — so
+//!    the key stays free and a retry executes again. A 4xx the handler marked [`CommitRefusal`]
+//!    ([`Problem::commit`]) is the exception, chosen explicitly: stored and committed like a success, and
+//!    replayed to every retry with its key.
 //!
 //! With [`IdempotencyLayer::transaction_only`] the layer skips steps 1–3 (no key needed) and just runs the
 //! handler in a unit of work: the "layer off" baseline.
@@ -38,9 +40,10 @@
 //!   `outcome-unknown` ("retry with the same key"), never "not executed"; the retry replays or executes.
 //! - **Keys that tell their age.** A UUID v7 key whose time is older than `IDEMPOTENCY_TTL` is refused with 422
 //!   `idempotency-key-expired` before anything runs (its record may be gone; AIP-155's `first_sent` rule).
-//! - **Refusals never burn a key.** Anything refused before the handler changed state — bad path parameter,
-//!   unknown payment, validation, media type, size, an amount finer than its currency's minor unit (ISO 4217
-//!   via the `iso_currency` crate) — rolls back and stores nothing.
+//! - **Refusals never burn a key, and never commit by accident.** A 4xx answer rolls back whatever the
+//!   handler wrote and stores nothing — a bad path parameter, an unknown payment, validation, media type,
+//!   size, an amount finer than its currency's minor unit (ISO 4217 via the `iso_currency` crate), or a
+//!   business refusal after writes ("insufficient stock") — unless the handler chose [`CommitRefusal`].
 //!
 //! `IdempotencyLayer::transaction_only` runs the same handlers in a unit of work without keys: the baseline
 //! the benchmark compares against (`IDEMPOTENCY_LAYER=off`), never a production mode.
@@ -64,7 +67,7 @@ use tokio::sync::{Mutex, OwnedMutexGuard, watch};
 use tower::{Layer, Service};
 
 use crate::metrics::HttpMetrics;
-pub use crate::problem::Unexecuted;
+pub use crate::problem::CommitRefusal;
 use crate::problem::{Problem, ProblemKind};
 
 /// The request header carrying the key.
@@ -331,7 +334,12 @@ impl<St: Send + Sync> FromRequestParts<St> for Tx {
             Problem::new(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR)
         };
         let handle = parts.extensions.get::<UnitOfWorkHandle>().cloned().ok_or_else(missing)?;
-        let guard = handle.0.lock_owned().await;
+        // One `Tx` per request: a second one would wait for the first for ever (the handler holds both)
+        let Ok(guard) = handle.0.try_lock_owned() else {
+            tracing::error!("the handler extracted `Tx` twice; a request has one unit of work: take it once");
+            return Err(Problem::new(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR)
+                .detail("the handler asked for its unit of work twice"));
+        };
         if guard.is_none() {
             return Err(missing());
         }
@@ -538,10 +546,13 @@ where
     let Some(mut uow) = handle.0.lock().await.take() else {
         return layer_problem(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR).into_response();
     };
-    if response.status().is_server_error() || response.extensions().get::<Unexecuted>().is_some() {
+    let status = response.status();
+    let commits = !status.is_server_error()
+        && (!status.is_client_error() || response.extensions().get::<CommitRefusal>().is_some());
+    if !commits {
         // Roll back the business effect and the claim: nothing is stored, a retry executes again.
         drop(uow);
-        let outcome = if response.status().is_server_error() { "failed" } else { "rejected_input" };
+        let outcome = if status.is_server_error() { "failed" } else { "rejected_input" };
         return tagged(response, outcome);
     }
     let (mut resp_parts, resp_body) = response.into_parts();

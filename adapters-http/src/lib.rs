@@ -26,7 +26,7 @@ pub use api::ApiState;
 pub use auth::{ApiKeys, Merchant};
 pub use idempotency::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyConfig, IdempotencyLayer, ScopeFn, Tx};
 pub use metrics::HttpMetrics;
-pub use problem::{PROBLEM_JSON, Problem, ProblemKind};
+pub use problem::{CommitRefusal, PROBLEM_JSON, Problem, ProblemJson, ProblemKind};
 
 /// The scope function of the payments API: the authenticated merchant.
 pub fn merchant_scope() -> ScopeFn {

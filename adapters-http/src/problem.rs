@@ -1,5 +1,7 @@
 //! RFC 9457 problem details (`application/problem+json`), with a stable `type` per kind of error.
 
+use std::borrow::Cow;
+
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
@@ -134,17 +136,32 @@ impl ProblemKind {
     }
 }
 
-/// Response extension set by a handler that rejected its input before executing anything: the
-/// idempotency layer rolls back and stores nothing, as for a 5xx, so the corrected request may reuse the key.
+/// Marks a 4xx answer to be **committed**: the writes the handler made and the answer itself are stored, and
+/// a retry with the key replays the refusal. Without it a 4xx rolls back and stores nothing, like a 5xx: the
+/// key stays free and a retry executes again (after the client corrected the request, or the state it
+/// depended on changed). Set it with [`Problem::commit`], or put it in any response tuple
+/// (`(CommitRefusal, StatusCode::CONFLICT, body)`).
 #[derive(Debug, Clone, Copy)]
-pub struct Unexecuted;
+pub struct CommitRefusal;
+
+impl axum::response::IntoResponseParts for CommitRefusal {
+    type Error = std::convert::Infallible;
+
+    fn into_response_parts(
+        self,
+        mut res: axum::response::ResponseParts,
+    ) -> Result<axum::response::ResponseParts, Self::Error> {
+        res.extensions_mut().insert(self);
+        Ok(res)
+    }
+}
 
 /// A problem response.
 #[derive(Debug, Clone, Serialize)]
 pub struct Problem {
     #[serde(rename = "type")]
-    type_uri: &'static str,
-    title: &'static str,
+    type_uri: Cow<'static, str>,
+    title: Cow<'static, str>,
     status: u16,
     #[serde(skip_serializing_if = "Option::is_none")]
     detail: Option<String>,
@@ -158,32 +175,49 @@ pub struct Problem {
     #[serde(skip)]
     no_store: bool,
     #[serde(skip)]
-    unexecuted: bool,
+    commit: bool,
 }
 
 impl Problem {
-    /// A problem of `kind`. Input rejections (malformed JSON, wrong media type, invalid field, oversize
-    /// body) are [`Problem::unexecuted`] from the start.
+    /// A problem of one of idem's kinds.
     pub fn new(kind: ProblemKind, status: StatusCode) -> Self {
-        use ProblemKind::*;
+        let mut problem = Self::custom(kind.type_uri(), kind.title(), status);
+        problem.kind = Some(kind);
+        problem
+    }
+
+    /// A problem of the application's own: its type URI (`https://example.com/problems/out-of-stock`, or a
+    /// URN), a short human-readable title, and the status. Like every 4xx and 5xx answer, it rolls back
+    /// under the idempotency layer unless [`Problem::commit`] says otherwise.
+    pub fn custom(
+        type_uri: impl Into<Cow<'static, str>>,
+        title: impl Into<Cow<'static, str>>,
+        status: StatusCode,
+    ) -> Self {
         Self {
-            type_uri: kind.type_uri(),
-            title: kind.title(),
+            type_uri: type_uri.into(),
+            title: title.into(),
             status: status.as_u16(),
             detail: None,
             field: None,
-            kind: Some(kind),
+            kind: None,
             retry_after_secs: None,
             no_store: false,
-            unexecuted: matches!(kind, MalformedJson | UnsupportedMediaType | InvalidField | PayloadTooLarge),
+            commit: false,
         }
     }
 
-    /// Marks the answer as a rejection of the input before anything was executed: the idempotency layer
-    /// stores nothing for it, so the client may fix the request and retry with the same key.
-    pub fn unexecuted(mut self) -> Self {
-        self.unexecuted = true;
+    /// Commits this refusal under the idempotency layer (see [`CommitRefusal`]): the handler's writes and
+    /// this answer are stored, and a retry with the key replays it. Only for refusals that must stay the
+    /// answer to this key whatever happens later; by default a refusal rolls back and leaves the key free.
+    pub fn commit(mut self) -> Self {
+        self.commit = true;
         self
+    }
+
+    /// The type URI.
+    pub fn type_uri(&self) -> &str {
+        &self.type_uri
     }
 
     /// Sets `detail`.
@@ -238,9 +272,44 @@ impl IntoResponse for Problem {
         if status == StatusCode::UNAUTHORIZED {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
-        if self.unexecuted {
-            response.extensions_mut().insert(Unexecuted);
+        if self.commit {
+            response.extensions_mut().insert(CommitRefusal);
         }
         response
+    }
+}
+
+/// `axum::Json` whose rejections are problem+json with the right status: 415 `unsupported-media-type` (no
+/// JSON content type), 400 `malformed-json` (not JSON), 422 `invalid-field` (JSON of the wrong shape: a
+/// missing, unknown or mistyped field), 413 `payload-too-large`. Under the idempotency layer a rejection
+/// rolls back like any 4xx: the key stays free for the corrected request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProblemJson<T>(pub T);
+
+impl<T, S> axum::extract::FromRequest<S> for ProblemJson<T>
+where
+    T: serde::de::DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = Problem;
+
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Problem> {
+        use axum::extract::rejection::JsonRejection;
+        match axum::Json::<T>::from_request(req, state).await {
+            Ok(axum::Json(value)) => Ok(Self(value)),
+            Err(rejection) => {
+                let (kind, status) = match &rejection {
+                    JsonRejection::MissingJsonContentType(_) => {
+                        (ProblemKind::UnsupportedMediaType, StatusCode::UNSUPPORTED_MEDIA_TYPE)
+                    }
+                    JsonRejection::JsonDataError(_) => (ProblemKind::InvalidField, StatusCode::UNPROCESSABLE_ENTITY),
+                    r if r.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                        (ProblemKind::PayloadTooLarge, StatusCode::PAYLOAD_TOO_LARGE)
+                    }
+                    _ => (ProblemKind::MalformedJson, StatusCode::BAD_REQUEST),
+                };
+                Err(Problem::new(kind, status).detail(rejection.body_text()))
+            }
+        }
     }
 }

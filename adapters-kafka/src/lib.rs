@@ -11,9 +11,11 @@ pub mod consumer;
 pub mod dlq;
 pub mod partitioner;
 pub mod probe;
+pub mod producer;
 pub mod relay;
 
 pub use client::{ConsumerSettings, KafkaConnection, ProducerSettings};
+pub use producer::{EventProducer, Sent};
 
 /// Sleeps `delay`; `false` when `shutdown` came first.
 pub(crate) async fn pause(delay: std::time::Duration, shutdown: &tokio_util::sync::CancellationToken) -> bool {

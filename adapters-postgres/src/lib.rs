@@ -193,11 +193,13 @@ impl PgStore {
         Ok(Self::with_settings(pool, settings))
     }
 
-    /// A store on an existing pool (tests and benchmarks); units of work get a pool of the same size and
-    /// connection options.
-    pub fn from_pool(pool: PgPool) -> Self {
+    /// A store on an existing pool (tests), for the queries that are not units of work; units of work get
+    /// a pool of their own with the same connection options, of at most `transactions` connections. The
+    /// store can so hold `pool`'s connections plus `transactions`: size both (it used to take the pool's
+    /// size again, silently doubling it).
+    pub fn from_pool(pool: PgPool, transactions: u32) -> Self {
         let settings = PoolSettings {
-            max_connections: pool.options().get_max_connections(),
+            max_connections: transactions,
             acquire_timeout: pool.options().get_acquire_timeout(),
             ..PoolSettings::default()
         };

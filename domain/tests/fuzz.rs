@@ -107,6 +107,27 @@ proptest! {
         prop_assert_ne!(Fingerprint::of_request("POST", &route, &compact), Fingerprint::of_request("POST", &format!("{route}/"), &compact));
         let changed = serde_json::json!({ "wrapped": value.clone() });
         prop_assert_ne!(Fingerprint::of_request("POST", &route, &compact), Fingerprint::of_request("POST", &route, &serde_json::to_vec(&changed).expect("json")));
+        // the same object with its keys written in the reverse order is the same request
+        if let serde_json::Value::Object(map) = &value {
+            let reversed: Vec<String> = map
+                .iter()
+                .rev()
+                .map(|(k, v)| format!("{}:{}", serde_json::to_string(k).expect("json"), serde_json::to_string(v).expect("json")))
+                .collect();
+            let reordered = format!("{{{}}}", reversed.join(","));
+            prop_assert_eq!(
+                Fingerprint::of_request("POST", &route, &compact),
+                Fingerprint::of_request("POST", &route, reordered.as_bytes())
+            );
+        }
+        // a body that differs in one byte of a string leaf is another request
+        if let Some(pos) = compact.iter().position(|b| b.is_ascii_alphabetic()) {
+            let mut flipped = compact.clone();
+            flipped[pos] = if flipped[pos] == b'a' { b'b' } else { b'a' };
+            if serde_json::from_slice::<serde_json::Value>(&flipped).is_ok_and(|v| v != value) {
+                prop_assert_ne!(Fingerprint::of_request("POST", &route, &compact), Fingerprint::of_request("POST", &route, &flipped));
+            }
+        }
         let _ = Fingerprint::of_request("POST", &route, &body);
     }
 

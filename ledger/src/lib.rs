@@ -15,14 +15,13 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use axum::extract::rejection::JsonRejection;
 use axum::extract::{Extension, Path};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router, middleware};
 use idem_domain::{Amount, TtlPolicy};
-use idem_http::{ApiKeys, IdempotencyConfig, IdempotencyLayer, Merchant, Problem, ProblemKind, Tx};
+use idem_http::{ApiKeys, IdempotencyConfig, IdempotencyLayer, Merchant, Problem, ProblemJson, ProblemKind, Tx};
 use idem_ports::{
     Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, NewOutboxMessage, StoreError, SystemClock,
     TransactionManager, UnitOfWork, UuidV7Generator,
@@ -117,17 +116,17 @@ pub async fn write_credit(
     .await
     .map_err(idem_postgres::map_sqlx_error)?;
     uow.outbox()
-        .enqueue(&NewOutboxMessage {
-            id: UuidV7Generator.new_id(),
-            topic: LEDGER_TOPIC.to_owned(),
-            aggregate_type: "ledger_account".into(),
-            aggregate_id: format!("{merchant}/{account}"),
-            event_type: "LedgerCredited".into(),
-            payload: json!({ "entry_id": entry_id, "merchant": merchant, "account": account, "amount": amount.normalize().to_string() }),
-            saga_id: None,
-            traceparent: None,
-            created_at: now,
-        })
+        .enqueue(
+            &NewOutboxMessage::new(
+                &UuidV7Generator,
+                &SystemClock,
+                LEDGER_TOPIC,
+                format!("{merchant}/{account}"),
+                "LedgerCredited",
+                json!({ "entry_id": entry_id, "merchant": merchant, "account": account, "amount": amount.normalize().to_string() }),
+            )
+            .aggregate_type("ledger_account"),
+        )
         .await?;
     Ok(Credit {
         entry_id,
@@ -142,25 +141,15 @@ async fn credit(
     Extension(merchant): Extension<Merchant>,
     Path(account): Path<String>,
     mut tx: Tx,
-    body: Result<Json<CreditRequest>, JsonRejection>,
+    ProblemJson(body): ProblemJson<CreditRequest>,
 ) -> Response {
-    let body = match body {
-        Ok(Json(body)) => body,
-        Err(rejection) => {
-            return Problem::new(ProblemKind::MalformedJson, rejection.status())
-                .detail(rejection.body_text())
-                .unexecuted()
-                .into_response();
-        }
-    };
     let amount = match Amount::parse(&body.amount) {
         Ok(a) => a.value(),
         Err(e) => {
-            // refused before anything ran: the key stays free for the corrected request
+            // a refusal rolls back: the key stays free for the corrected request
             return Problem::new(ProblemKind::InvalidField, StatusCode::UNPROCESSABLE_ENTITY)
                 .field("amount")
                 .detail(e.to_string())
-                .unexecuted()
                 .into_response();
         }
     };

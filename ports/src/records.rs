@@ -222,6 +222,52 @@ pub struct NewOutboxMessage {
     pub created_at: DateTime<Utc>,
 }
 
+impl NewOutboxMessage {
+    /// A message for `topic` keyed by `key` (its partition, and the order of the key's messages), of
+    /// `event_type` with `payload`. Its id is a new UUID v7 from `ids` — the `event_id` header receivers
+    /// deduplicate by, whose time bounds their dedup window — and `created_at` is `clock`'s now. The
+    /// aggregate type defaults to the topic; no saga, no trace context (see the setters).
+    pub fn new(
+        ids: &dyn crate::IdGenerator,
+        clock: &dyn crate::Clock,
+        topic: impl Into<String>,
+        key: impl Into<String>,
+        event_type: impl Into<String>,
+        payload: serde_json::Value,
+    ) -> Self {
+        let topic = topic.into();
+        Self {
+            id: ids.new_id(),
+            aggregate_type: topic.clone(),
+            topic,
+            aggregate_id: key.into(),
+            event_type: event_type.into(),
+            payload,
+            saga_id: None,
+            traceparent: None,
+            created_at: clock.now(),
+        }
+    }
+
+    /// Sets the aggregate type (Debezium's `aggregatetype`, for example `payment`).
+    pub fn aggregate_type(mut self, aggregate_type: impl Into<String>) -> Self {
+        self.aggregate_type = aggregate_type.into();
+        self
+    }
+
+    /// Sets the saga the message belongs to (sent as the `saga_id` header).
+    pub fn saga(mut self, saga_id: Uuid) -> Self {
+        self.saga_id = Some(saga_id);
+        self
+    }
+
+    /// Sets the W3C `traceparent` of the request that wrote the row.
+    pub fn traceparent(mut self, traceparent: Option<String>) -> Self {
+        self.traceparent = traceparent;
+        self
+    }
+}
+
 /// An event to mark as processed by one consumer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProcessedEvent {

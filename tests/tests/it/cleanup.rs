@@ -238,3 +238,35 @@ async fn a_host_clock_far_ahead_cannot_clean_up_live_rows() -> anyhow::Result<()
     assert_eq!(db.count("idempotency_record").await?, 2);
     Ok(())
 }
+
+/// Issue 26: the outbox's dead tuples reach `idem_cleanup_dead_tuples` (the gauge was never set for it: the
+/// refresh only knew the two expiring tables).
+#[tokio::test]
+async fn the_outbox_dead_tuple_gauge_is_set() -> anyhow::Result<()> {
+    use sqlx::Connection;
+    let db = TestDb::new().await?;
+    let mut conn = sqlx::PgConnection::connect(&db.url).await?;
+    sqlx::raw_sql("ALTER TABLE outbox_message SET (autovacuum_enabled = false)").execute(&mut conn).await?;
+    sqlx::raw_sql(
+        "INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, created_at)
+         SELECT gen_random_uuid(), 't', 'a', i::text, 'E', '{}'::jsonb, now() FROM generate_series(1, 50) i;
+         DELETE FROM outbox_message;",
+    )
+    .execute(&mut conn)
+    .await?;
+    sqlx::raw_sql("SELECT pg_stat_force_next_flush()").execute(&mut conn).await?;
+    sqlx::raw_sql("SELECT 1").execute(&mut conn).await?;
+    let stats = idem_postgres::cleanup::CleanupStats::default();
+    let outbox = TableLabels { table: "outbox_message" };
+    let mut dead = 0;
+    for _ in 0..50 {
+        idem_postgres::cleanup::refresh_dead_tuples(&db.store, &stats).await?;
+        dead = stats.dead_tuples.get_or_create(&outbox).get();
+        if dead >= 50 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(dead >= 50, "the outbox's dead tuples were not exported: {dead}");
+    Ok(())
+}

@@ -655,6 +655,36 @@ mod effects {
         Ok(())
     }
 
+    /// Issue 26: events from `EventProducer` (outside the outbox) carry a UUID v7 `event_id` each and are
+    /// applied once; a retry of a send with the same id is dropped by the consumer, counted through a
+    /// handler that is not idempotent on its own.
+    #[tokio::test]
+    async fn events_from_the_event_producer_are_applied_once_and_its_retries_dropped() -> anyhow::Result<()> {
+        let (db, brokers, topic) = setup(1).await?;
+        create_application_log(&db).await?;
+        let clock = Arc::new(ShiftedClock::new());
+        let running = counting(db.store.clone(), day_settings(&brokers, &unique_topic("g"), &topic), clock.clone());
+        let events = idem_kafka::EventProducer::new(
+            &idem_kafka::ProducerSettings::new(&brokers),
+            Arc::new(idem_ports::UuidV7Generator),
+        )?;
+        let mut sent = Vec::new();
+        for i in 0..3 {
+            sent.push(events.send(&topic, &format!("k{i}"), b"{}", Duration::from_secs(10)).await?);
+        }
+        // a send whose outcome the caller did not learn, retried with its id
+        let retried = events.send_with_id(sent[0].event_id, &topic, "k0", b"{}", Duration::from_secs(10)).await?;
+        assert_eq!(retried.event_id, sent[0].event_id);
+        let p = producer(&brokers)?;
+        drain(&db, &p, &topic, &clock).await?;
+        running.stop().await;
+        for s in &sent {
+            assert_eq!(s.event_id.get_version_num(), 7, "the event id is not a UUID v7");
+            assert_eq!(applications_of_event(&db, s.event_id).await?, 1, "{} applied other than once", s.event_id);
+        }
+        Ok(())
+    }
+
     /// 24.1: an event applied inside the window, refused 60 s later as `older-than-dedup-window` and
     /// re-driven with `--admit-late` (its `late_admission` row), is not applied again while its
     /// processed-event row still exists — in both dedup storages.

@@ -353,7 +353,7 @@ async fn unreachable_store_answers_503_and_executes_nothing() -> anyhow::Result<
     let pool = sqlx::postgres::PgPoolOptions::new()
         .acquire_timeout(Duration::from_millis(500))
         .connect_lazy("postgres://postgres@127.0.0.1:1/none")?;
-    let store = PgStore::from_pool(pool);
+    let store = PgStore::from_pool(pool, 4);
     let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
     let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), layer_config(StatusCode::CONFLICT));
     let router = idem_http::router(api_state(&store), keys(), layer);
@@ -950,5 +950,118 @@ async fn the_key_age_rule_looks_the_record_up_and_refuses_keys_from_the_future()
     let gone = idem_tests::v7_at(now - chrono::Duration::hours(60)).to_string();
     let refused = api.charge(KEY_A, &gone, &charge_body("pi_gone", "1.00")).await?;
     assert_eq!(refused.problem_type(), "urn:idem:problem:idempotency-key-expired");
+    Ok(())
+}
+
+/// Issue 26.1: an application's handler writes, then refuses with a plain 409 ("insufficient stock"). The
+/// refusal rolls back its write and stores nothing, so the retry after a restock executes (before: the 409
+/// committed the write and was replayed for ever). A refusal the handler commits on purpose
+/// (`CommitRefusal`) is stored and replayed; a second `Tx` in one handler is a clear 500, not a hang; JSON
+/// rejections are problem+json with their own statuses and burn no key.
+#[tokio::test]
+async fn refusals_roll_back_unless_committed_on_purpose() -> anyhow::Result<()> {
+    use axum::response::IntoResponse;
+    use idem_http::{CommitRefusal, Problem, ProblemJson};
+    let db = TestDb::new().await?;
+    sqlx::raw_sql(
+        "CREATE TABLE stock (item text PRIMARY KEY, left_ int NOT NULL); INSERT INTO stock VALUES ('a', 0);
+                   CREATE TABLE attempt (n serial PRIMARY KEY, item text)",
+    )
+    .execute(db.pool())
+    .await?;
+    let tm: Arc<dyn TransactionManager> = Arc::new(db.store.clone());
+    let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), layer_config(StatusCode::CONFLICT));
+    #[derive(serde::Deserialize)]
+    struct Reserve {
+        item: String,
+        commit_refusal: bool,
+    }
+    let reserve = |mut tx: Tx, ProblemJson(body): ProblemJson<Reserve>| async move {
+        let conn = idem_postgres::PgUnitOfWork::of(tx.uow()).expect("postgres").connection();
+        // a write before the refusal: it must not survive a rolled-back refusal
+        sqlx::query("INSERT INTO attempt (item) VALUES ($1)")
+            .bind(&body.item)
+            .execute(&mut *conn)
+            .await
+            .expect("insert");
+        let left: i32 = sqlx::query_scalar("SELECT left_ FROM stock WHERE item = $1")
+            .bind(&body.item)
+            .fetch_one(&mut *conn)
+            .await
+            .expect("stock");
+        if left == 0 {
+            let problem =
+                Problem::custom("https://example.com/problems/out-of-stock", "Out of stock", StatusCode::CONFLICT)
+                    .detail(format!("{} left", left));
+            return if body.commit_refusal {
+                (CommitRefusal, problem).into_response()
+            } else {
+                problem.into_response()
+            };
+        }
+        sqlx::query("UPDATE stock SET left_ = left_ - 1 WHERE item = $1")
+            .bind(&body.item)
+            .execute(&mut *conn)
+            .await
+            .expect("update");
+        (StatusCode::CREATED, "reserved").into_response()
+    };
+    let twice = |_first: Tx, _second: Tx| async move { StatusCode::OK };
+    let router = axum::Router::new()
+        .route("/reserve", axum::routing::post(reserve))
+        .route("/twice", axum::routing::post(twice))
+        .route_layer(layer)
+        .layer(axum::middleware::from_fn(|mut req: axum::extract::Request, next: axum::middleware::Next| async move {
+            req.extensions_mut().insert(idem_http::Merchant("merchant_a".into()));
+            next.run(req).await
+        }));
+    let base = idem_tests::serve(router).await?;
+    let http = reqwest::Client::new();
+    let send = |key: &'static str, body: &'static str| {
+        http.post(format!("{base}/reserve"))
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    let plain = r#"{"item":"a","commit_refusal":false}"#;
+    let refused = send("k-plain", plain).await?;
+    assert_eq!(refused.status().as_u16(), 409);
+    assert_eq!(refused.headers().get("content-type").and_then(|v| v.to_str().ok()), Some("application/problem+json"));
+    assert_eq!(refused.json::<serde_json::Value>().await?["type"], "https://example.com/problems/out-of-stock");
+    assert_eq!(db.count("attempt").await?, 0, "the refusal committed the write made before it");
+    assert_eq!(db.count("idempotency_record").await?, 0, "the refusal burnt the key");
+    sqlx::query("UPDATE stock SET left_ = 1").execute(db.pool()).await?;
+    let after_restock = send("k-plain", plain).await?;
+    assert_eq!(after_restock.status().as_u16(), 201, "the retry after the restock did not execute");
+
+    // committed on purpose: stored and replayed, its write kept
+    sqlx::query("UPDATE stock SET left_ = 0").execute(db.pool()).await?;
+    let committed = r#"{"item":"a","commit_refusal":true}"#;
+    assert_eq!(send("k-commit", committed).await?.status().as_u16(), 409);
+    assert_eq!(db.count("attempt").await?, 2);
+    sqlx::query("UPDATE stock SET left_ = 5").execute(db.pool()).await?;
+    let replayed = send("k-commit", committed).await?;
+    assert_eq!(replayed.status().as_u16(), 409);
+    assert_eq!(replayed.headers().get("idempotent-replayed").and_then(|v| v.to_str().ok()), Some("true"));
+
+    // JSON rejections: problem+json, their statuses, no key burnt
+    let wrong_shape = send("k-json", r#"{"item":"a"}"#).await?;
+    assert_eq!(wrong_shape.status().as_u16(), 422);
+    assert_eq!(wrong_shape.json::<serde_json::Value>().await?["type"], "urn:idem:problem:invalid-field");
+    let not_json = send("k-json", "{").await?;
+    assert_eq!(not_json.status().as_u16(), 400);
+    let media = http.post(format!("{base}/reserve")).header("idempotency-key", "k-json").body(plain).send().await?;
+    assert_eq!(media.status().as_u16(), 415);
+    assert_eq!(send("k-json", plain).await?.status().as_u16(), 201, "a JSON rejection burnt the key");
+
+    // Tx twice: answered, not hung
+    let twice = tokio::time::timeout(
+        Duration::from_secs(5),
+        http.post(format!("{base}/twice")).header("idempotency-key", "k-twice").body("{}").send(),
+    )
+    .await
+    .map_err(|_| anyhow::anyhow!("extracting Tx twice hung the request"))??;
+    assert_eq!(twice.status().as_u16(), 500);
     Ok(())
 }

@@ -461,3 +461,41 @@ async fn is_processed_reads_the_storage_in_use() -> anyhow::Result<()> {
     assert!(!uow.processed_events().is_processed("other", id).await?);
     Ok(())
 }
+
+/// Issue 26: the SQL `uuid_v7_time` (partition routing of `processed_event_partitioned`) and the domain's
+/// `uuid_v7_time` (admission, retention) read the same instant from every UUID v7 up to the year 2200 — the
+/// epoch's edges and 2,000 random times — and agree that a non-v7 id has none (SQL: the epoch). (Beyond
+/// 2^53 µs, about the year 2255, PostgreSQL's `to_timestamp(float8)` drifts by microseconds; this test
+/// found it at the 48-bit field's maximum, year 10889. No v7 id minted by a working clock gets there.)
+#[tokio::test]
+async fn rust_and_sql_read_the_same_time_from_a_uuid_v7() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let max = 7_258_118_400_000; // 2200-01-01
+    let mut millis = vec![0, 1, 999, 1000, 1_700_000_000_123, 4_102_444_800_000, max];
+    millis.extend((0..2000).map(|_| Uuid::new_v4().as_u128() as u64 % max));
+    let ids: Vec<Uuid> = millis
+        .iter()
+        .map(|ms| {
+            uuid::Builder::from_unix_timestamp_millis(
+                *ms,
+                &Uuid::new_v4().into_bytes()[..10].try_into().expect("10 bytes"),
+            )
+            .into_uuid()
+        })
+        .collect();
+    let sql: Vec<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT uuid_v7_time(id) FROM unnest($1::uuid[]) WITH ORDINALITY AS t(id, n) ORDER BY n")
+            .bind(&ids)
+            .fetch_all(db.pool())
+            .await?;
+    for ((id, ms), from_sql) in ids.iter().zip(&millis).zip(&sql) {
+        let from_rust = idem_domain::uuid_v7_time(*id).expect("a v7 id has a time");
+        assert_eq!(from_rust.timestamp_millis() as u64, *ms, "{id}: Rust");
+        assert_eq!(from_sql, &from_rust, "{id}: SQL and Rust disagree");
+    }
+    let v4 = Uuid::new_v4();
+    let epoch: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT uuid_v7_time($1)").bind(v4).fetch_one(db.pool()).await?;
+    assert_eq!((idem_domain::uuid_v7_time(v4), epoch.timestamp()), (None, 0));
+    Ok(())
+}

@@ -1,0 +1,79 @@
+//! Publishing events outside the transactional outbox, the way idem's consumers need them.
+//!
+//! A service that is not on PostgreSQL, a batch job or a script can still feed an idem consumer: it must
+//! send each event with an `event_id` header holding a UUID v7 (the id the consumer deduplicates by, whose
+//! time bounds its dedup window), from an idempotent producer with `acks=all`. [`EventProducer`] does both.
+//! A send whose outcome is unknown (a timeout) is retried with the **same** id ([`EventProducer::send_with_id`]):
+//! the receiver then drops the copy.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_ports::IdGenerator;
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use uuid::Uuid;
+
+use crate::client::ProducerSettings;
+use crate::consumer::EVENT_ID_HEADER;
+
+/// Where an event went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sent {
+    /// The `event_id` header it carries.
+    pub event_id: Uuid,
+    /// Partition and offset of the write.
+    pub partition: i32,
+    /// Offset in the partition.
+    pub offset: i64,
+}
+
+/// An idempotent producer that stamps every event with a new UUID v7 `event_id` header.
+#[derive(Clone)]
+pub struct EventProducer {
+    producer: FutureProducer,
+    ids: Arc<dyn IdGenerator>,
+}
+
+impl std::fmt::Debug for EventProducer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EventProducer")
+    }
+}
+
+impl EventProducer {
+    /// A producer with idem's settings (`settings`: idempotence, `acks=all`, murmur2 partitioning) and ids
+    /// from `ids` (`UuidV7Generator` in production).
+    pub fn new(settings: &ProducerSettings, ids: Arc<dyn IdGenerator>) -> Result<Self, KafkaError> {
+        Ok(Self { producer: settings.client_config().create()?, ids })
+    }
+
+    /// Sends `payload` to `topic` under `key` with a new `event_id`; waits at most `timeout` for the
+    /// acknowledgement. On an error the event may still have been written: retry with
+    /// [`Self::send_with_id`] and the id of [`Self::new_event_id`] to stay deduplicable.
+    pub async fn send(&self, topic: &str, key: &str, payload: &[u8], timeout: Duration) -> Result<Sent, KafkaError> {
+        self.send_with_id(self.new_event_id(), topic, key, payload, timeout).await
+    }
+
+    /// A new event id (UUID v7), for a caller that keeps it to retry with.
+    pub fn new_event_id(&self) -> Uuid {
+        self.ids.new_id()
+    }
+
+    /// Sends with a given `event_id` (a retry of a send whose outcome is unknown).
+    pub async fn send_with_id(
+        &self,
+        event_id: Uuid,
+        topic: &str,
+        key: &str,
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<Sent, KafkaError> {
+        let id = event_id.to_string();
+        let headers = OwnedHeaders::new().insert(Header { key: EVENT_ID_HEADER, value: Some(id.as_bytes()) });
+        let record = FutureRecord::to(topic).key(key).payload(payload).headers(headers);
+        let delivery = self.producer.send(record, timeout).await.map_err(|(e, _)| e)?;
+        Ok(Sent { event_id, partition: delivery.partition, offset: delivery.offset })
+    }
+}
