@@ -7,7 +7,7 @@ admin=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
 db=idem_sqlx_prepare
 psql "$admin" -qc "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "CREATE DATABASE $db"
 url="${admin%/*}/$db"
-for m in "$root"/migrations/*.sql "$root"/ledger/migrations/*.sql; do psql "$url" -q -v ON_ERROR_STOP=1 -f "$m"; done
+for m in "$root"/migrations/*.sql "$root"/adapters-postgres/migrations/*.sql "$root"/ledger/migrations/*.sql; do psql "$url" -q -v ON_ERROR_STOP=1 -f "$m"; done
 for crate in adapters-postgres:idem-postgres ledger:idem-ledger; do
   dir=${crate%%:*} package=${crate##*:}
   rm -rf "$root/$dir/.sqlx" && mkdir -p "$root/$dir/.sqlx"

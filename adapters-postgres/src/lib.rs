@@ -28,8 +28,14 @@ pub use error::{is_transient_sqlstate, map_sqlx_error};
 pub use repos::outbox::{OUTBOX_KEY_SHARDS, SHARDS_PER_CLAIM};
 pub use wakeup::{NOTIFY_DEBOUNCE, OUTBOX_CHANNEL, OutboxSignal, PgOutboxWakeup};
 
-/// The migrations in `migrations/`, embedded in the binary.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+/// idem's own tables (`adapters-postgres/migrations/`): idempotency records, processed events, the outbox,
+/// saga steps, operators' records, settings. What [`PgStore::migrate`] installs for a toolkit user.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// The reference payment service's schema history (`migrations/` at the repository's root): its `payment`,
+/// `refund` and `order_projection` tables, and idem's tables as they were created along the way. Applied by
+/// [`PgStore::migrate_reference`], never by [`PgStore::migrate`].
+pub static REFERENCE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
 /// Pool settings.
 #[derive(Debug, Clone)]
@@ -276,35 +282,48 @@ impl PgStore {
         &self.pool
     }
 
-    /// Applies idem's pending migrations, on a connection of their own without the sessions' statement
-    /// timeout (an index build may take longer); the connection is closed afterwards, never returned to
-    /// the pool. Migrations an application recorded in the same `_sqlx_migrations` table are left alone.
+    /// Applies idem's pending migrations ([`MIGRATOR`]: idem's tables only), on a connection of their own
+    /// without the sessions' statement timeout (an index build may take longer); the connection is closed
+    /// afterwards. Migrations an application recorded in the same `_sqlx_migrations` table are left alone.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        self.migrate_with(None).await
+        self.migrate_sets(&[&MIGRATOR]).await
     }
 
     /// Applies idem's migrations and then the application's (`sqlx::migrate!("./migrations")`), both
     /// recorded in the database's `_sqlx_migrations` table: idem's tables install beside the
-    /// application's own. Application versions must not reuse idem's (which are dated `2026120…`); each
-    /// migrator ignores the other's entries.
+    /// application's own. Application versions must not reuse idem's (dated `2026120…`); each migrator
+    /// ignores the other's entries.
     ///
     /// Behind a transaction pooler ([`Pooler::Transaction`]) migrations need a session of their own (sqlx's
     /// session advisory lock, `SET statement_timeout`): they run on the direct connection
     /// ([`Self::with_direct_url`]); without one, pending migrations are an error that says so, and
     /// nothing is run through the pooler.
     pub async fn migrate_with(&self, application: Option<&sqlx::migrate::Migrator>) -> Result<(), StoreError> {
+        match application {
+            Some(application) => self.migrate_sets(&[&MIGRATOR, application]).await,
+            None => self.migrate().await,
+        }
+    }
+
+    /// The reference payment service's schema ([`REFERENCE_MIGRATOR`]) and then idem's ([`MIGRATOR`],
+    /// whose statements find its tables in place).
+    pub async fn migrate_reference(&self) -> Result<(), StoreError> {
+        self.migrate_sets(&[&REFERENCE_MIGRATOR, &MIGRATOR]).await
+    }
+
+    async fn migrate_sets(&self, sets: &[&sqlx::migrate::Migrator]) -> Result<(), StoreError> {
         let options = match (&self.direct, &self.begin_sql) {
             (Some(direct), _) => direct.0.clone(),
             (None, None) => (*self.pool.connect_options()).clone(),
-            (None, Some(_)) => return self.check_migrated(application).await,
+            (None, Some(_)) => return self.check_migrated(sets).await,
         };
         let mut conn = sqlx::PgConnection::connect_with(&options).await.map_err(map_sqlx_error)?;
         sqlx::raw_sql("SET statement_timeout = 0").execute(&mut conn).await.map_err(map_sqlx_error)?;
         let mut result = Ok(());
-        for migrations in std::iter::once(&*MIGRATOR.migrations).chain(application.map(|m| &*m.migrations)) {
+        for set in sets {
             // each migrator ignores the other's entries in the shared _sqlx_migrations table
             let migrator = sqlx::migrate::Migrator {
-                migrations: std::borrow::Cow::Owned(migrations.to_vec()),
+                migrations: std::borrow::Cow::Owned(set.migrations.to_vec()),
                 ignore_missing: true,
                 locking: true,
                 no_tx: false,
@@ -319,18 +338,14 @@ impl PgStore {
     }
 
     /// Behind a transaction pooler without a direct URL: fails when a migration is pending.
-    async fn check_migrated(&self, application: Option<&sqlx::migrate::Migrator>) -> Result<(), StoreError> {
+    async fn check_migrated(&self, sets: &[&sqlx::migrate::Migrator]) -> Result<(), StoreError> {
         let mut tx = self.small_tx().await.map_err(map_sqlx_error)?;
         let applied: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
             .fetch_all(&mut *tx)
             .await
             .unwrap_or_default();
         let _ = tx.commit().await;
-        let pending = std::iter::once(&*MIGRATOR.migrations)
-            .chain(application.map(|m| &*m.migrations))
-            .flatten()
-            .filter(|m| !applied.contains(&m.version))
-            .count();
+        let pending = sets.iter().flat_map(|m| m.migrations.iter()).filter(|m| !applied.contains(&m.version)).count();
         if pending > 0 {
             return Err(StoreError::Other(format!(
                 "{pending} migration(s) pending and the database is reached through a transaction pooler: set \

@@ -7,7 +7,6 @@ mod guard;
 mod operate;
 mod ops;
 mod serve;
-mod tasks;
 
 use std::process::ExitCode;
 
@@ -127,7 +126,7 @@ async fn cleanup_once(args: CleanupArgs) -> anyhow::Result<()> {
     init_tracing(false);
     anyhow::ensure!(args.once, "idem cleanup needs --once (idem serve runs the periodic cleaner)");
     let store = connect(&args.db).await?;
-    store.migrate().await.context("applying migrations")?;
+    store.migrate_reference().await.context("applying migrations")?;
     let settings = CleanupSettings {
         batch_size: args.batch_size,
         max_clock_skew: idem_domain::ADMISSION_MARGIN,
@@ -168,7 +167,7 @@ async fn cleanup_once(args: CleanupArgs) -> anyhow::Result<()> {
 async fn migrate(db: DbArgs) -> anyhow::Result<()> {
     init_tracing(false);
     let store = connect(&db).await?;
-    store.migrate().await.context("applying migrations")?;
+    store.migrate_reference().await.context("applying migrations")?;
     tracing::info!("migrations applied");
     Ok(())
 }

@@ -2,21 +2,20 @@
 //! Kafka side in the background), its background tasks, and the graceful drain.
 
 use crate::config::{ConflictStatus, DbArgs, DedupStorageArg, LayerSwitch, RelayArgs, RelayOnlyArgs, ServeArgs};
-use crate::tasks::TaskGroup;
 use anyhow::Context;
 use axum::http::StatusCode;
+use idem::Background;
 use idem_domain::usecases::OrderEventHandler;
 use idem_http::HttpMetrics;
 use idem_http::{ApiState, IdempotencyConfig, IdempotencyLayer};
 use idem_kafka::KafkaConnection;
-use idem_kafka::admin::ensure_topics_when_reachable;
 use idem_kafka::consumer::{Runner, RunnerSettings};
 use idem_kafka::probe::BrokerProbe;
 use idem_kafka::relay::{Relay, RelaySettings};
 use idem_ports::{Clock, IdGenerator, SystemClock, TransactionManager, UuidV7Generator};
 use idem_postgres::DedupStorage;
+use idem_postgres::PgStore;
 use idem_postgres::cleanup::{Cleaner, CleanupSettings, PartitionPolicy};
-use idem_postgres::{PgOutboxWakeup, PgStore};
 use prometheus_client::registry::Registry;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
@@ -34,35 +33,11 @@ fn relay_settings(cluster: &KafkaConnection, relay: &RelayArgs) -> RelaySettings
     settings
 }
 
-async fn spawn_relay(
-    group: &mut TaskGroup,
-    store: &PgStore,
-    cluster: &KafkaConnection,
-    relay_args: &RelayArgs,
-    registry: &mut Registry,
-) -> anyhow::Result<()> {
-    let wakeup = PgOutboxWakeup::connect(store).await.context("LISTEN for outbox notifications")?;
+/// The relay with its statistics registered.
+fn relay(store: &PgStore, cluster: &KafkaConnection, relay_args: &RelayArgs, registry: &mut Registry) -> Relay {
     let relay = Relay::new(relay_settings(cluster, relay_args), Arc::new(store.clone()), Arc::new(SystemClock));
     relay.stats().register(registry);
-    let token = group.token();
-    group.spawn("outbox relay", async move { Ok(relay.run(Box::new(wakeup), token).await?) });
-    let (store, every, token) = (store.clone(), relay_args.outbox_vacuum_interval, group.token());
-    group.spawn("outbox vacuum", async move {
-        // keeps the claims' index scans short (see `PgStore::vacuum_outbox`); a failure is logged and
-        // retried at the next tick, never ends the service
-        let mut tick = tokio::time::interval(every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = token.cancelled() => return Ok(()),
-                _ = tick.tick() => {}
-            }
-            if let Err(e) = store.vacuum_outbox().await {
-                tracing::warn!(error = %e, "outbox vacuum failed; retrying at the next interval");
-            }
-        }
-    });
-    Ok(())
+    relay
 }
 
 fn http_limits(args: &ServeArgs) -> idem_http::server::ServerLimits {
@@ -83,7 +58,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         DedupStorageArg::Table => DedupStorage::Table,
         DedupStorageArg::Partitioned => DedupStorage::Partitioned,
     });
-    store.migrate().await.context("applying migrations")?;
+    store.migrate_reference().await.context("applying migrations")?;
     tracing::info!("migrations applied");
     match store.durability().await {
         Ok(durability) => match durability.risk() {
@@ -121,7 +96,6 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let ids: Arc<dyn IdGenerator> = Arc::new(UuidV7Generator);
     let shutdown = CancellationToken::new();
     cancel_on_signal(shutdown.clone());
-    let mut group = TaskGroup::new(shutdown.clone());
     let mut registry = Registry::default();
     let http_metrics = HttpMetrics::default();
     http_metrics.register(&mut registry);
@@ -168,23 +142,6 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let bg_tm: Arc<dyn TransactionManager> = Arc::new(bg_store.clone());
     let runner = Runner::new(settings, bg_tm, clock.clone(), handler);
     runner.stats().register(&mut registry);
-    let token = shutdown.clone();
-    let (topics_cluster, partitions, replication) =
-        (cluster.clone(), args.kafka.topic_partitions, args.kafka.replication_factor);
-    let topics = [args.orders.orders_topic.clone(), dlq_topic, args.kafka.payments_topic.clone()];
-    // Kafka may be down at start: the API serves at once (payments wait in the outbox), topics are created
-    // in the background, and the consumer starts once they exist.
-    group.spawn("order consumer", async move {
-        let topics: Vec<&str> = topics.iter().map(String::as_str).collect();
-        if !ensure_topics_when_reachable(&topics_cluster, &topics, partitions, replication, &token).await {
-            return Ok(());
-        }
-        Ok(runner.run(token).await?)
-    });
-
-    // Outbox relay
-    spawn_relay(&mut group, &bg_store, &cluster, &args.relay, &mut registry).await?;
-
     // TTL cleanup
     let partitions = (args.dedup_storage == DedupStorageArg::Partitioned)
         .then(|| PartitionPolicy { ttl: args.dedup_ttl.ttl(), days_ahead: 3 });
@@ -194,11 +151,20 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     );
     let cleanup_stats = cleaner.stats();
     cleanup_stats.register(&mut registry);
-    let (token, interval) = (shutdown.clone(), args.cleanup_interval);
-    group.spawn("ttl cleaner", async move {
-        cleaner.run(&SystemClock, interval, token).await;
-        Ok(())
-    });
+
+    // Background work: relay (wake-ups, outbox vacuum), cleaner, topics, then the order consumer. Kafka may be
+    // down at start: the API serves at once (payments wait in the outbox) and the rest waits for the broker.
+    let topics = [args.orders.orders_topic.as_str(), dlq_topic.as_str(), args.kafka.payments_topic.as_str()];
+    let mut group = Background::new(bg_store.clone(), &cluster)
+        .shutdown_token(shutdown.clone())
+        .relay(relay(&bg_store, &cluster, &args.relay, &mut registry))
+        .outbox_vacuum_every(args.relay.outbox_vacuum_interval)
+        .cleaner(cleaner, args.cleanup_interval)
+        .topics(&topics, args.kafka.topic_partitions, args.kafka.replication_factor)
+        .consumer(runner)
+        .start()
+        .await
+        .context("LISTEN for outbox notifications")?;
 
     // Operational endpoints, then serve everything
     let gauges = ops::Gauges::default();
@@ -253,11 +219,16 @@ pub async fn relay_only(args: RelayOnlyArgs) -> anyhow::Result<()> {
     init_tracing(args.log_json);
     let cluster = args.kafka.connection()?;
     let store = connect(&args.db).await?;
-    store.migrate().await.context("applying migrations")?;
+    store.migrate_reference().await.context("applying migrations")?;
     let shutdown = CancellationToken::new();
     cancel_on_signal(shutdown.clone());
-    let mut group = TaskGroup::new(shutdown);
-    spawn_relay(&mut group, &store, &cluster, &args.relay, &mut Registry::default()).await?;
+    let group = Background::new(store.clone(), &cluster)
+        .shutdown_token(shutdown)
+        .relay(relay(&store, &cluster, &args.relay, &mut Registry::default()))
+        .outbox_vacuum_every(args.relay.outbox_vacuum_interval)
+        .start()
+        .await
+        .context("LISTEN for outbox notifications")?;
     let result = group.wait(std::time::Duration::from_secs(20)).await;
     store.close().await;
     result

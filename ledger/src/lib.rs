@@ -20,15 +20,15 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router, middleware};
-use idem_domain::{Amount, TtlPolicy};
-use idem_http::{ApiKeys, IdempotencyConfig, IdempotencyLayer, Merchant, Problem, ProblemJson, ProblemKind, Tx};
-use idem_ports::{
+use idem::domain::{Amount, TtlPolicy};
+use idem::http::{ApiKeys, IdempotencyConfig, IdempotencyLayer, Merchant, Problem, ProblemJson, ProblemKind, Tx};
+use idem::ports::{
     Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, NewOutboxMessage, StoreError, SystemClock,
     TransactionManager, UnitOfWork, UuidV7Generator,
 };
 #[cfg(doc)]
-use idem_postgres::PgStore;
-use idem_postgres::PgUnitOfWork;
+use idem::postgres::PgStore;
+use idem::postgres::PgUnitOfWork;
 use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -66,11 +66,11 @@ pub struct Credit {
 /// The ledger's HTTP API: authentication by idem's API keys, the idempotency layer on the command.
 pub fn router(tm: Arc<dyn TransactionManager>, keys: Arc<ApiKeys>, ttl: TtlPolicy) -> Router {
     let layer =
-        IdempotencyLayer::new(tm, Arc::new(SystemClock), IdempotencyConfig::new(ttl, idem_http::merchant_scope()));
+        IdempotencyLayer::new(tm, Arc::new(SystemClock), IdempotencyConfig::new(ttl, idem::http::merchant_scope()));
     Router::new()
         .route("/accounts/{account}/credits", post(credit))
         .route_layer(layer)
-        .layer(middleware::from_fn_with_state(keys, idem_http::auth::authenticate))
+        .layer(middleware::from_fn_with_state(keys, idem::http::auth::authenticate))
 }
 
 fn problem(kind: ProblemKind, status: StatusCode, detail: impl Into<String>) -> Response {
@@ -103,7 +103,7 @@ pub async fn write_credit(
     )
     .execute(pg.connection())
     .await
-    .map_err(idem_postgres::map_sqlx_error)?;
+    .map_err(idem::postgres::map_sqlx_error)?;
     let balance = sqlx::query_scalar!(
         r#"INSERT INTO ledger_balance (merchant, account, balance) VALUES ($1, $2, $3)
            ON CONFLICT (merchant, account) DO UPDATE SET balance = ledger_balance.balance + EXCLUDED.balance
@@ -114,7 +114,7 @@ pub async fn write_credit(
     )
     .fetch_one(pg.connection())
     .await
-    .map_err(idem_postgres::map_sqlx_error)?;
+    .map_err(idem::postgres::map_sqlx_error)?;
     uow.outbox()
         .enqueue(
             &NewOutboxMessage::new(

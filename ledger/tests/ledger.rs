@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_domain::TtlPolicy;
+use idem::TtlPolicy;
 use idem_http::ApiKeys;
 use idem_ports::{SystemClock, TransactionManager};
 use idem_tests::TestDb;

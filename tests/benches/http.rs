@@ -302,7 +302,7 @@ async fn main() -> anyhow::Result<()> {
     for name in ["idem_bench_http", "idem_bench_http_idle", "idem_bench_http_ceiling", "idem_bench_http_pgbouncer"] {
         let db = fresh_database(&admin, name).await?;
         let store = idem_postgres::PgStore::connect(&db, &idem_postgres::PoolSettings::default()).await?;
-        store.migrate().await?;
+        store.migrate_reference().await?;
         store.close().await;
         dbs.push(db);
     }

@@ -84,6 +84,13 @@ impl TestDb {
     }
 
     pub async fn with_pool(settings: PoolSettings) -> anyhow::Result<Self> {
+        let db = Self::unmigrated(settings).await?;
+        db.store.migrate_reference().await?;
+        Ok(db)
+    }
+
+    /// A fresh database with nothing in it (the caller migrates what it needs).
+    pub async fn unmigrated(settings: PoolSettings) -> anyhow::Result<Self> {
         init_tracing();
         let admin = admin_url().await?;
         let name = format!("{DB_PREFIX}{}_{}", unix_now(), uuid::Uuid::new_v4().simple());
@@ -92,7 +99,6 @@ impl TestDb {
         conn.close().await?;
         let url = with_database(&admin, &name);
         let store = PgStore::connect(&url, &settings).await?;
-        store.migrate().await?;
         Ok(Self { store, url, name })
     }
 

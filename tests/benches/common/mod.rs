@@ -203,7 +203,7 @@ pub async fn fresh_database(admin: &str, name: &str) -> anyhow::Result<String> {
 pub async fn fresh_store(admin: &str, name: &str) -> anyhow::Result<idem_postgres::PgStore> {
     let url = fresh_database(admin, name).await?;
     let store = idem_postgres::PgStore::connect(&url, &idem_postgres::PoolSettings::default()).await?;
-    store.migrate().await?;
+    store.migrate_reference().await?;
     Ok(store)
 }
 

@@ -499,3 +499,66 @@ async fn rust_and_sql_read_the_same_time_from_a_uuid_v7() -> anyhow::Result<()> 
     assert_eq!((idem_domain::uuid_v7_time(v4), epoch.timestamp()), (None, 0));
     Ok(())
 }
+
+/// Issue 26: a toolkit user's database (`PgStore::migrate`) gets idem's tables and none of the reference
+/// payment service's (`payment`, `refund`, `order_projection`: before, `migrate` installed them in every
+/// database); and every idem table, index, default and storage setting has the same shape there as in a
+/// database that grew through the reference service's history.
+#[tokio::test]
+async fn a_toolkit_database_holds_idems_tables_only_and_in_the_reference_shape() -> anyhow::Result<()> {
+    let reference = TestDb::new().await?;
+    let toolkit = TestDb::unmigrated(idem_postgres::PoolSettings::default()).await?;
+    toolkit.store.migrate().await?;
+    let tables = |db: &TestDb| {
+        let pool = db.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "SELECT relname::text FROM pg_class WHERE relnamespace = 'public'::regnamespace
+                 AND relkind IN ('r', 'p') AND relname <> '_sqlx_migrations' ORDER BY 1",
+            )
+            .fetch_all(&pool)
+            .await
+        }
+    };
+    let toolkit_tables = tables(&toolkit).await?;
+    for reference_only in ["payment", "refund", "order_projection"] {
+        assert!(!toolkit_tables.iter().any(|t| t == reference_only), "{reference_only} in a toolkit database");
+    }
+    let shape = "SELECT string_agg(line, E'\\n' ORDER BY line) FROM (
+          SELECT format('%s.%s %s %s %s %s', c.relname, a.attname, format_type(a.atttypid, a.atttypmod),
+                        a.attnotnull, a.attidentity::text || a.attgenerated::text, pg_get_expr(d.adbin, d.adrelid)) AS line
+            FROM pg_class c JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+            LEFT JOIN pg_attrdef d ON d.adrelid = c.oid AND d.adnum = a.attnum
+           WHERE c.relname = ANY($1)
+          UNION ALL
+          SELECT format('%s index %s', tablename, regexp_replace(indexdef, '^.* USING ', '')) FROM pg_indexes
+           WHERE tablename = ANY($1)
+          UNION ALL
+          SELECT format('%s options %s', relname, reloptions) FROM pg_class WHERE relname = ANY($1)
+          UNION ALL
+          SELECT format('%s check %s', conrelid::regclass, pg_get_constraintdef(oid)) FROM pg_constraint
+           WHERE conrelid::regclass::text = ANY($1)
+          UNION ALL
+          SELECT format('function %s', pg_get_functiondef('uuid_v7_time'::regproc))
+        ) lines";
+    let describe = |db: &TestDb| {
+        let (pool, names) = (db.pool().clone(), toolkit_tables.clone());
+        async move { sqlx::query_scalar::<_, String>(shape).bind(names).fetch_one(&pool).await }
+    };
+    let (from_history, from_toolkit) = (describe(&reference).await?, describe(&toolkit).await?);
+    assert!(from_toolkit.lines().count() > 50, "{from_toolkit}");
+    assert_eq!(from_toolkit, from_history, "idem's tables differ between the two migration paths");
+    // the reference database took idem's migration too (no-ops there), so both record it
+    let recorded = |db: &TestDb| {
+        let pool = db.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM _sqlx_migrations WHERE version = 20261205000001 AND success",
+            )
+            .fetch_one(&pool)
+            .await
+        }
+    };
+    assert_eq!((recorded(&reference).await?, recorded(&toolkit).await?), (1, 1));
+    Ok(())
+}

@@ -21,14 +21,18 @@ impl std::fmt::Debug for TaskGroup {
 }
 
 impl TaskGroup {
+    /// An empty group stopped by `shutdown`.
     pub fn new(shutdown: CancellationToken) -> Self {
         Self { tasks: JoinSet::new(), shutdown }
     }
 
+    /// The group's shutdown token (cancel it to stop every task).
     pub fn token(&self) -> CancellationToken {
         self.shutdown.clone()
     }
 
+    /// Runs `task` as `name`: it should end when the token is cancelled; ending earlier, or failing, stops
+    /// the others.
     pub fn spawn<F>(&mut self, name: &'static str, task: F)
     where
         F: Future<Output = anyhow::Result<()>> + Send + 'static,

@@ -1,0 +1,43 @@
+//! idem, as one dependency: idempotent HTTP commands, deduplicating Kafka consumers and a transactional
+//! outbox for Rust services on PostgreSQL.
+//!
+//! - [`http`] (feature `http`): the axum [`IdempotencyLayer`](http::IdempotencyLayer), the [`Tx`](http::Tx)
+//!   extractor, problem+json ([`Problem`](http::Problem), [`ProblemJson`](http::ProblemJson)).
+//! - [`postgres`] (feature `postgres`): the store ([`PgStore`](postgres::PgStore)), its unit of work and your
+//!   own SQL in it ([`PgUnitOfWork`](postgres::PgUnitOfWork)), migrations, the cleaner.
+//! - [`kafka`] (feature `kafka`): the deduplicating consumer [`Runner`](kafka::consumer::Runner), the outbox
+//!   [`Relay`](kafka::relay::Relay), [`EventProducer`](kafka::EventProducer) for producers outside the outbox.
+//! - [`Background`] (features `kafka` and `postgres`): relay, outbox vacuum, cleaner, topic checks and
+//!   consumers started in one call, under one shutdown token.
+//! - At the root: the ports and values every service uses ([`NewOutboxMessage`], [`EventHandler`],
+//!   [`TtlPolicy`], …), and [`TaskGroup`].
+//!
+//! The README's "Use idem in your own service" is a complete example on this crate alone.
+
+#![warn(missing_docs)]
+
+#[cfg(all(feature = "kafka", feature = "postgres"))]
+mod background;
+mod tasks;
+
+#[cfg(all(feature = "kafka", feature = "postgres"))]
+pub use background::Background;
+pub use idem_domain::{self as domain, TtlPolicy};
+pub use idem_ports::{
+    self as ports, Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, NewOutboxMessage, StoreError,
+    SystemClock, TransactionManager, UnitOfWork, UuidV7Generator,
+};
+pub use tasks::TaskGroup;
+
+/// For implementing [`EventHandler`] (an `async_trait` trait) without depending on the crate yourself.
+pub use async_trait::async_trait;
+
+/// The HTTP side: idempotency layer, unit-of-work extractor, problem+json, bounded server.
+#[cfg(feature = "http")]
+pub use idem_http as http;
+/// The Kafka side: consumer runner, outbox relay, producers, client settings.
+#[cfg(feature = "kafka")]
+pub use idem_kafka as kafka;
+/// The PostgreSQL side: store, unit of work, migrations, cleaner.
+#[cfg(feature = "postgres")]
+pub use idem_postgres as postgres;
