@@ -67,7 +67,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_domain::wire::headers as wire;
-use idem_domain::{Admission, EventId, TtlPolicy};
+use idem_domain::{EventId, TtlPolicy};
 use idem_ports::{
     BatchError, Clock, EventHandler, HandlerError, InboundEvent, ProcessedEvent, StoreError, TransactionManager,
 };
@@ -80,9 +80,17 @@ use uuid::Uuid;
 
 use crate::client::{ConsumerSettings, KafkaConnection, ProducerSettings, breaks_session};
 
+mod admission;
+mod apply;
+mod dead_letters;
 mod errors;
 mod offsets;
+mod received;
 mod stats;
+
+use apply::{BatchOutcome, Dedup};
+use dead_letters::DeadLetter;
+use received::Received;
 
 pub use errors::{ClientErrorAction, RunnerError, classify_consumer_error};
 use offsets::{Offsets, RunnerContext};
@@ -95,16 +103,6 @@ pub const OLDER_THAN_DEDUP_WINDOW: &str = "older-than-dedup-window";
 
 /// Dead-letter reason of an event whose id carries a time too far in the future.
 pub const FUTURE_DATED: &str = "future-dated-event-id";
-
-/// What records an event as applied, in the transaction that applies it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Dedup {
-    /// `record_new` in the processed-event table (every event inside the dedup window).
-    Window,
-    /// The operator's admission of an event older than the window: the admission is marked applied and
-    /// the processed row recorded, and the event applied only when both were new.
-    LateAdmission,
-}
 
 /// Header carrying the saga id.
 pub const SAGA_ID_HEADER: &str = wire::SAGA_ID;
@@ -152,73 +150,6 @@ impl RunnerSettings {
     }
 }
 
-/// A received message, detached from the consumer.
-#[derive(Debug, Clone)]
-struct Received {
-    topic: String,
-    partition: i32,
-    offset: i64,
-    key: Option<Vec<u8>>,
-    payload: Vec<u8>,
-    headers: Vec<(String, Vec<u8>)>,
-    timestamp: Option<i64>,
-}
-
-impl Received {
-    fn from_message(m: &BorrowedMessage<'_>) -> Self {
-        let headers = m
-            .headers()
-            .map(|h| h.iter().map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec())).collect())
-            .unwrap_or_default();
-        Self {
-            topic: m.topic().to_owned(),
-            partition: m.partition(),
-            offset: m.offset(),
-            key: m.key().map(<[u8]>::to_vec),
-            payload: m.payload().unwrap_or_default().to_vec(),
-            headers,
-            timestamp: m.timestamp().to_millis(),
-        }
-    }
-
-    fn header(&self, name: &str) -> Option<&[u8]> {
-        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_slice())
-    }
-
-    /// Validates the identifying headers.
-    fn to_event(&self) -> Result<InboundEvent, String> {
-        let event_id = match self.header(EVENT_ID_HEADER) {
-            None => return Err("missing event_id header".into()),
-            Some(raw) => EventId::parse_bytes(raw).map_err(|e| format!("invalid event_id header: {e}"))?,
-        };
-        let saga_id = match self.header(SAGA_ID_HEADER) {
-            None => None,
-            Some(raw) => Some(
-                std::str::from_utf8(raw)
-                    .ok()
-                    .and_then(|s| Uuid::try_parse(s.trim()).ok())
-                    .filter(|u| !u.is_nil())
-                    .ok_or_else(|| "invalid saga_id header: must be a non-nil UUID".to_owned())?,
-            ),
-        };
-        Ok(InboundEvent {
-            event_id: event_id.as_uuid(),
-            saga_id,
-            topic: self.topic.clone(),
-            partition: self.partition,
-            offset: self.offset,
-            key: self.key.clone(),
-            payload: self.payload.clone(),
-        })
-    }
-}
-
-struct DeadLetter {
-    message: Received,
-    reason: &'static str,
-    error: String,
-}
-
 /// The consumer runner.
 pub struct Runner {
     settings: RunnerSettings,
@@ -247,16 +178,6 @@ async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {
         Some(d) => tokio::time::sleep_until(d).await,
         None => std::future::pending().await,
     }
-}
-
-enum BatchOutcome {
-    Committed,
-    /// An event failed for good or for now; `index` into the batch.
-    EventFailed {
-        index: usize,
-        error: HandlerError,
-    },
-    Transient(StoreError),
 }
 
 impl Runner {
@@ -404,32 +325,10 @@ impl Runner {
         rejections: &mut HashMap<(i32, i64), u32>,
         shutdown: &CancellationToken,
     ) -> bool {
-        let mut dead = Vec::new();
-        let mut events = Vec::with_capacity(batch.len());
-        let mut too_old = Vec::new();
         let now = self.clock.now();
         let ttl = self.settings.dedup_ttl;
         let floor = ttl.admission_floor(now);
-        for m in batch {
-            match m.to_event() {
-                // Ids without a time (v4) have no age to check: they are retained by processing time.
-                Ok(e) => match idem_domain::uuid_v7_time(e.event_id).map(|t| (t, ttl.admission(now, Some(t)))) {
-                    None | Some((_, Admission::Admitted)) => events.push((m, e)),
-                    // Its dedup row may already be gone: applying it could apply it twice.
-                    Some((t, Admission::TooOld)) => too_old.push((m, e, t)),
-                    Some((t, Admission::FutureDated)) => dead.push(DeadLetter {
-                        message: m.clone(),
-                        reason: FUTURE_DATED,
-                        error: format!(
-                            "event time {} is more than {} s ahead of this consumer's clock: the producer's clock is wrong",
-                            t.to_rfc3339(),
-                            idem_domain::MAX_FUTURE_SKEW.as_secs()
-                        ),
-                    }),
-                },
-                Err(error) => dead.push(DeadLetter { message: m.clone(), reason: "invalid-headers", error }),
-            }
-        }
+        let admission::Sorted { mut events, too_old, mut dead } = admission::sort(batch, now, ttl);
         // Older than the dedup window: applied only if an operator admitted it (once), else dead-lettered.
         let Some(admitted) = self.late_admitted(&too_old, shutdown).await else {
             return false;
@@ -530,195 +429,6 @@ impl Runner {
         }
         self.stats.retrying.set(rejections.len() as i64);
         true
-    }
-
-    /// One unit of work per event, in order; committed events leave `events`. On a failure, `index` 0 is
-    /// the failing event (the first one left).
-    async fn apply_one_by_one(&self, events: &mut Vec<(&Received, InboundEvent)>) -> BatchOutcome {
-        while let Some((_, event)) = events.first() {
-            match self.apply(&[event], Dedup::Window).await {
-                BatchOutcome::Committed => {
-                    events.remove(0);
-                }
-                BatchOutcome::EventFailed { error, .. } => return BatchOutcome::EventFailed { index: 0, error },
-                transient @ BatchOutcome::Transient(_) => return transient,
-            }
-        }
-        BatchOutcome::Committed
-    }
-
-    /// The ids among `too_old` an operator admitted late; `None` on shutdown.
-    async fn late_admitted(
-        &self,
-        too_old: &[(&Received, InboundEvent, chrono::DateTime<chrono::Utc>)],
-        shutdown: &CancellationToken,
-    ) -> Option<HashSet<Uuid>> {
-        if too_old.is_empty() {
-            return Some(HashSet::new());
-        }
-        let ids: Vec<Uuid> = too_old.iter().map(|(_, e, _)| e.event_id).collect();
-        let mut backoff = Backoff::new();
-        loop {
-            let found = async {
-                let mut uow = self.tm.begin().await?;
-                uow.processed_events().late_admitted(&self.settings.consumer.group_id, &ids).await
-            };
-            match found.await {
-                Ok(admitted) => return Some(admitted.into_iter().collect()),
-                Err(e) => {
-                    self.stats.transient_failures.inc_by(1);
-                    tracing::warn!(error = %e, "reading late admissions failed; retrying");
-                    if !backoff.wait(shutdown).await {
-                        return None;
-                    }
-                }
-            }
-        }
-    }
-
-    /// One unit of work over the batch. `dedup` says what records the events as applied.
-    /// [`Self::apply_unbounded`] within `transaction_timeout`.
-    async fn apply(&self, events: &[&InboundEvent], dedup: Dedup) -> BatchOutcome {
-        let limit = self.settings.transaction_timeout;
-        match tokio::time::timeout(limit, self.apply_unbounded(events, dedup)).await {
-            Ok(outcome) => outcome,
-            Err(_) => BatchOutcome::Transient(StoreError::Unavailable(format!(
-                "the batch's transaction did not end within {} s: abandoned (rolled back unless its commit was \
-                 under way) and retried",
-                limit.as_secs()
-            ))),
-        }
-    }
-
-    async fn apply_unbounded(&self, events: &[&InboundEvent], dedup: Dedup) -> BatchOutcome {
-        // Store failures outside the handler are never blamed on an event: retried, never dead-lettered.
-        let failed = |e: StoreError| {
-            if !e.is_transient() {
-                tracing::error!(error = %e, "processed-event bookkeeping failed");
-            }
-            BatchOutcome::Transient(e)
-        };
-        if events.is_empty() {
-            return BatchOutcome::Committed;
-        }
-        let mut uow = match self.tm.begin().await {
-            Ok(u) => u,
-            Err(e) => return BatchOutcome::Transient(e),
-        };
-        let now = self.clock.now();
-        let ttl = self.settings.dedup_ttl;
-        let rows: Vec<ProcessedEvent> = events
-            .iter()
-            .map(|e| ProcessedEvent {
-                event_id: e.event_id,
-                topic: e.topic.clone(),
-                expires_at: ttl.retain_until(now, idem_domain::uuid_v7_time(e.event_id)),
-            })
-            .collect();
-        let consumer = &self.settings.consumer.group_id;
-        // Every application records the event's processed row, late admissions too: the row of an
-        // earlier application may still be alive (a duplicate refused a minute after the first delivery
-        // crossed the floor), and then the admitted copy is a duplicate.
-        let mut fresh: HashSet<Uuid> = match uow.processed_events().record_new(consumer, &rows, now).await {
-            Ok(ids) => ids.into_iter().collect(),
-            Err(e) => return failed(e),
-        };
-        if dedup == Dedup::LateAdmission {
-            // ... and the admission is consumed in the same transaction: applied only when both are new.
-            for row in &rows {
-                match uow.processed_events().apply_late_admission(consumer, row.event_id, now).await {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        fresh.remove(&row.event_id);
-                    }
-                    Err(e) => return failed(e),
-                }
-            }
-        }
-        // First occurrence of each new event id, in partition order.
-        let mut applied = HashSet::with_capacity(fresh.len());
-        let mut to_apply: Vec<(usize, &InboundEvent)> = Vec::with_capacity(fresh.len());
-        for (index, event) in events.iter().enumerate() {
-            if fresh.contains(&event.event_id) && applied.insert(event.event_id) {
-                to_apply.push((index, event));
-            }
-        }
-        let duplicates = (events.len() - to_apply.len()) as u64;
-        let batch: Vec<&InboundEvent> = to_apply.iter().map(|(_, e)| *e).collect();
-        match self.handler.handle_batch(uow.as_mut(), &batch).await {
-            Ok(()) => {}
-            Err(BatchError { error: HandlerError::Store(e), .. }) if e.is_transient() => {
-                return BatchOutcome::Transient(e);
-            }
-            Err(BatchError { index, error }) => {
-                let index = to_apply.get(index).map_or(0, |(i, _)| *i);
-                return BatchOutcome::EventFailed { index, error };
-            }
-        }
-        match uow.commit().await {
-            Ok(()) => {
-                self.stats.processed.inc_by(applied.len() as u64);
-                self.stats.duplicates.inc_by(duplicates);
-                BatchOutcome::Committed
-            }
-            Err(e) => BatchOutcome::Transient(e),
-        }
-    }
-
-    /// Publishes a dead letter and waits for its acknowledgement (retrying until shutdown).
-    async fn dead_letter(&self, producer: &FutureProducer, d: &DeadLetter, shutdown: &CancellationToken) -> bool {
-        let m = &d.message;
-        let (partition, offset) = (m.partition.to_string(), m.offset.to_string());
-        let failed_at = self.clock.now().to_rfc3339();
-        let mut headers = OwnedHeaders::new();
-        // Provenance is ours alone: `dlq.*` headers a producer sent are dropped, or they would pass for it
-        // (a forged `dlq.original.topic` redirected a re-drive to any topic).
-        for (k, v) in m.headers.iter().filter(|(k, _)| !k.starts_with(wire::dlq::PREFIX)) {
-            headers = headers.insert(Header { key: k, value: Some(v) });
-        }
-        for (k, v) in [
-            (wire::dlq::REASON, d.reason),
-            (wire::dlq::ERROR, d.error.as_str()),
-            (wire::dlq::ORIGINAL_TOPIC, m.topic.as_str()),
-            (wire::dlq::ORIGINAL_PARTITION, partition.as_str()),
-            (wire::dlq::ORIGINAL_OFFSET, offset.as_str()),
-            (wire::dlq::CONSUMER_GROUP, self.settings.consumer.group_id.as_str()),
-            (wire::dlq::FAILED_AT, failed_at.as_str()),
-        ] {
-            headers = headers.insert(Header { key: k, value: Some(v.as_bytes()) });
-        }
-        let mut backoff = Backoff::new();
-        // A new producer session, once the broker rejected the shared one.
-        let mut fresh: Option<FutureProducer> = None;
-        loop {
-            let producer = fresh.as_ref().unwrap_or(producer);
-            let mut record = FutureRecord::to(&self.settings.dlq_topic).payload(&m.payload).headers(headers.clone());
-            if let Some(key) = &m.key {
-                record = record.key(key);
-            }
-            if let Some(ts) = m.timestamp {
-                record = record.timestamp(ts);
-            }
-            match producer.send(record, Duration::from_secs(10)).await {
-                Ok(_) => {
-                    self.stats.dead_lettered.inc_by(1);
-                    tracing::warn!(topic = %self.settings.dlq_topic, reason = d.reason, error = %d.error, partition = m.partition, offset = m.offset, "message dead-lettered");
-                    return true;
-                }
-                Err((e, _)) => {
-                    tracing::warn!(error = %e, "dead-letter publish failed; retrying");
-                    if breaks_session(&e) {
-                        match self.settings.producer.client_config().create() {
-                            Ok(p) => fresh = Some(p),
-                            Err(e) => tracing::error!(error = %e, "cannot create a new producer"),
-                        }
-                    }
-                    if !backoff.wait(shutdown).await {
-                        return false;
-                    }
-                }
-            }
-        }
     }
 }
 
