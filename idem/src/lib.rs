@@ -7,6 +7,8 @@
 //!   own SQL in it ([`PgUnitOfWork`](postgres::PgUnitOfWork)), migrations, the cleaner.
 //! - [`kafka`] (feature `kafka`): the deduplicating consumer [`Runner`](kafka::consumer::Runner), the outbox
 //!   [`Relay`](kafka::relay::Relay), [`EventProducer`](kafka::EventProducer) for producers outside the outbox.
+//! - [`PgTx`] (features `http` and `postgres`): the request's unit of work with your own SQL connection,
+//!   typed.
 //! - [`Background`] (features `kafka` and `postgres`): relay, outbox vacuum, cleaner, topic checks and
 //!   consumers started in one call, under one shutdown token.
 //! - At the root: the ports and values every service uses ([`NewOutboxMessage`], [`EventHandler`],
@@ -18,6 +20,8 @@
 
 #[cfg(all(feature = "kafka", feature = "postgres"))]
 mod background;
+#[cfg(all(feature = "http", feature = "postgres"))]
+mod pg_tx;
 mod tasks;
 
 #[cfg(all(feature = "kafka", feature = "postgres"))]
@@ -27,6 +31,8 @@ pub use idem_ports::{
     self as ports, Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, NewOutboxMessage, StoreError,
     SystemClock, TransactionManager, UnitOfWork, UuidV7Generator,
 };
+#[cfg(all(feature = "http", feature = "postgres"))]
+pub use pg_tx::PgTx;
 pub use tasks::TaskGroup;
 
 /// For implementing [`EventHandler`] (an `async_trait` trait) without depending on the crate yourself.

@@ -3,26 +3,25 @@
 use std::{sync::Arc, time::Duration};
 
 use axum::{Router, extract::Path, http::StatusCode, routing::post};
-use idem::http::{IdempotencyConfig, IdempotencyLayer, Problem, ProblemKind, Tx};
+use idem::http::{IdempotencyConfig, IdempotencyLayer, Problem, ProblemKind};
 use idem::kafka::consumer::{Runner, RunnerSettings};
 use idem::kafka::relay::{Relay, RelaySettings};
 use idem::postgres::cleanup::{Cleaner, CleanupSettings};
 use idem::postgres::{PgStore, PgUnitOfWork, PoolSettings, map_sqlx_error};
 use idem::{
-    Background, EventHandler, HandlerError, InboundEvent, NewOutboxMessage, StoreError, SystemClock, TtlPolicy,
-    UnitOfWork, UuidV7Generator,
+    Background, EventHandler, HandlerError, InboundEvent, NewOutboxMessage, PgTx, StoreError, SystemClock,
+    TtlPolicy, UnitOfWork, UuidV7Generator,
 };
 
 /// Behind the idempotency layer: runs once per Idempotency-Key; a retry gets the stored answer.
-async fn reserve(Path(sku): Path<String>, mut tx: Tx) -> Result<StatusCode, Problem> {
+async fn reserve(Path(sku): Path<String>, mut tx: PgTx) -> Result<StatusCode, Problem> {
     let unavailable = |e: StoreError| {
         Problem::new(ProblemKind::StoreUnavailable, StatusCode::SERVICE_UNAVAILABLE).detail(e.to_string())
     };
     // your table, in the transaction that holds the key's idempotency record
-    let pg = PgUnitOfWork::of(tx.uow()).map_err(unavailable)?;
     let reserved = sqlx::query("UPDATE stock SET reserved = reserved + 1 WHERE sku = $1 AND reserved < on_hand")
         .bind(&sku)
-        .execute(pg.connection())
+        .execute(tx.connection())
         .await
         .map_err(|e| unavailable(map_sqlx_error(e)))?
         .rows_affected();

@@ -976,8 +976,8 @@ async fn refusals_roll_back_unless_committed_on_purpose() -> anyhow::Result<()> 
         item: String,
         commit_refusal: bool,
     }
-    let reserve = |mut tx: Tx, ProblemJson(body): ProblemJson<Reserve>| async move {
-        let conn = idem_postgres::PgUnitOfWork::of(tx.uow()).expect("postgres").connection();
+    let reserve = |mut tx: idem::PgTx, ProblemJson(body): ProblemJson<Reserve>| async move {
+        let conn = tx.connection();
         // a write before the refusal: it must not survive a rolled-back refusal
         sqlx::query("INSERT INTO attempt (item) VALUES ($1)")
             .bind(&body.item)

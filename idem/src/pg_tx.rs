@@ -1,0 +1,48 @@
+//! The request's unit of work, typed for PostgreSQL.
+
+use axum::extract::FromRequestParts;
+use axum::http::{StatusCode, request::Parts};
+use idem_http::{Problem, ProblemKind, Tx};
+use idem_ports::UnitOfWork;
+use idem_postgres::PgUnitOfWork;
+
+/// Extractor: the request's unit of work (as [`Tx`]) known to be PostgreSQL's, so your own SQL runs on
+/// [`PgTx::connection`] without a conversion that could fail in the handler. Whether the idempotency layer
+/// of the route runs on a [`PgStore`](idem_postgres::PgStore) is checked once, when the handler is called: a
+/// route whose layer runs on another store answers 500 and logs why, before the handler runs.
+#[derive(Debug)]
+pub struct PgTx(Tx);
+
+impl PgTx {
+    /// The unit of work, for idem's repositories (outbox, processed events, saga steps).
+    pub fn uow(&mut self) -> &mut dyn UnitOfWork {
+        self.0.uow()
+    }
+
+    /// The PostgreSQL unit of work.
+    pub fn pg(&mut self) -> &mut PgUnitOfWork {
+        match PgUnitOfWork::of(self.0.uow()) {
+            Ok(pg) => pg,
+            // `from_request_parts` builds a PgTx only around a PostgreSQL unit of work
+            Err(_) => unreachable!("checked when the PgTx was extracted"),
+        }
+    }
+
+    /// The open transaction's connection, for your own sqlx queries (see [`PgUnitOfWork::connection`]).
+    pub fn connection(&mut self) -> &mut sqlx::PgConnection {
+        self.pg().connection()
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for PgTx {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Problem> {
+        let mut tx = Tx::from_request_parts(parts, state).await?;
+        if PgUnitOfWork::of(tx.uow()).is_err() {
+            tracing::error!("PgTx on a route whose idempotency layer does not run on a PgStore");
+            return Err(Problem::new(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR));
+        }
+        Ok(Self(tx))
+    }
+}
