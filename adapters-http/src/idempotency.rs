@@ -5,7 +5,9 @@
 //! 2. begins a unit of work and **claims** `(scope, key)` in it — an in-flight row, uncommitted;
 //!    a concurrent request with the same key blocks on that row for at most `wait`;
 //! 3. if the key holds a live record, decides with [`idem_domain::decide`]: replay the stored response,
-//!    409/422 for a different request, 409 + `Retry-After` while the first is still running;
+//!    409/422 for a different request, 409 + `Retry-After` while the first is still running. A retry
+//!    whose record is already completed and matches is replayed before step 2, from one read without a
+//!    transaction (`TransactionManager::completed_record`): a completed record is immutable until it expires;
 //! 4. otherwise hands the unit of work to the handler through a request extension (extractor [`Tx`]);
 //!    the handler writes its business rows through it and returns;
 //! 5. for a 1xx–3xx answer, stores status, allow-listed headers and body in the same unit and commits —
@@ -464,6 +466,16 @@ where
              nothing was executed or stored — mint keys from a correct clock",
         );
         return tagged(problem.into_response(), "rejected_input");
+    }
+    // Replay fast path: a completed record never changes until it expires, so a retry whose record is
+    // completed and matches is answered from one read — no claim transaction, no wait behind a leader.
+    // Anything else (no record, in flight, another request, a read that failed, a store without the
+    // read) takes the full path below, which decides again under the claim.
+    if let Ok(Some(record)) = shared.tm.completed_record(&scope, key.as_str()).await
+        && let Decision::Replay(stored) = decide(Some(&record), &fingerprint, shared.clock.now())
+    {
+        tracing::debug!(key = %key.as_str(), "idempotent replay (fast path)");
+        return tagged(replay(stored), "replayed");
     }
     // An old key is refused only when its record is gone (looked up below): a late first send of a key
     // whose request did run replays.

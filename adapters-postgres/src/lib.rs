@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_ports::{
-    IdempotencyRepository, OutboxRepository, PaymentRepository, PaymentUnitOfWork, ProcessedEventRepository,
-    ProjectionRepository, SagaStepRepository, StoreError, TransactionManager, UnitOfWork,
+    IdempotencyRecord, IdempotencyRepository, OutboxRepository, PaymentRepository, PaymentUnitOfWork,
+    ProcessedEventRepository, ProjectionRepository, SagaStepRepository, StoreError, TransactionManager, UnitOfWork,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool};
@@ -412,6 +412,20 @@ impl PgStore {
 impl TransactionManager for PgStore {
     async fn begin(&self) -> Result<Box<dyn UnitOfWork>, StoreError> {
         Ok(Box::new(self.begin_pg().await?))
+    }
+
+    /// One read on a pooled connection, no transaction. Behind a transaction pooler `None` (the full path):
+    /// a statement outside a transaction may be served by two server connections there.
+    async fn completed_record(&self, scope: &str, key: &str) -> Result<Option<IdempotencyRecord>, StoreError> {
+        if self.begin_sql.is_some() {
+            return Ok(None);
+        }
+        let mut conn = self.transactions.plain().await.map_err(map_sqlx_error)?;
+        let row = repos::idempotency::read(conn.connection(), scope, key).await.map_err(map_sqlx_error)?;
+        match row.map(repos::idempotency::RecordRow::into_record).transpose()? {
+            Some(record) if record.state == idem_ports::IdempotencyState::Completed => Ok(Some(record)),
+            _ => Ok(None),
+        }
     }
 }
 

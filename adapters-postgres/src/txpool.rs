@@ -102,6 +102,15 @@ impl TxPool {
     /// `BEGIN`) is bounded by `step_timeout`, and a reused connection that does not answer within it is
     /// dropped and replaced (nothing ran on it yet).
     pub(crate) async fn begin(&self) -> Result<TxConnection, sqlx::Error> {
+        self.take(true).await
+    }
+
+    /// A connection without a transaction (a single read); it goes back to the pool when dropped.
+    pub(crate) async fn plain(&self) -> Result<TxConnection, sqlx::Error> {
+        self.take(false).await
+    }
+
+    async fn take(&self, begin: bool) -> Result<TxConnection, sqlx::Error> {
         let bounds = self.inner.bounds;
         let deadline = Instant::now() + bounds.acquire_timeout;
         let permit = tokio::time::timeout_at(deadline, self.inner.permits.clone().acquire_owned())
@@ -137,7 +146,8 @@ impl TxPool {
                 }
             };
             let statement = self.inner.begin_sql.as_ref().map(|sql| std::borrow::Cow::Owned(sql.to_string()));
-            match tokio::time::timeout_at(step(Instant::now()), Manager::begin(&mut conn, statement)).await {
+            let begun = async { if begin { Manager::begin(&mut conn, statement).await } else { Ok(()) } };
+            match tokio::time::timeout_at(step(Instant::now()), begun).await {
                 Ok(Ok(())) => {
                     return Ok(TxConnection {
                         conn: Some(conn),

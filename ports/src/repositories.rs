@@ -19,6 +19,15 @@ pub trait TransactionManager: Send + Sync {
     /// MUST return [`StoreError::Unavailable`] when the store cannot be reached (so callers can answer
     /// "retry later" and execute nothing).
     async fn begin(&self) -> Result<Box<dyn UnitOfWork>, StoreError>;
+
+    /// The **completed** idempotency record of `(scope, key)`, read without a transaction (one round trip),
+    /// for the replay fast path: a completed record never changes until it expires, so a retry whose
+    /// record is completed and matches can be answered from it without claiming the key. `None` when the
+    /// key has no completed record — or when the store offers no such read (the default), and then the
+    /// caller takes the full path.
+    async fn completed_record(&self, _scope: &str, _key: &str) -> Result<Option<IdempotencyRecord>, StoreError> {
+        Ok(None)
+    }
 }
 
 /// One database transaction and the repositories bound to it.

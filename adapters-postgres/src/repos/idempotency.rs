@@ -79,26 +79,53 @@ impl IdempotencyRepository for PgUnitOfWork {
     }
 
     async fn get(&mut self, scope: &str, key: &str) -> Result<Option<IdempotencyRecord>, StoreError> {
-        let row = sqlx::query!(
-            r#"SELECT scope, key, command_hash, state, status_code, response_headers, response_body,
+        let row = read(self.db(), scope, key).await.map_err(|e| self.failed(e))?;
+        row.map(RecordRow::into_record).transpose()
+    }
+}
+
+/// A row of `idempotency_record`.
+pub(crate) struct RecordRow {
+    scope: String,
+    key: String,
+    command_hash: Vec<u8>,
+    state: String,
+    status_code: Option<i16>,
+    response_headers: Option<serde_json::Value>,
+    response_body: Option<Vec<u8>>,
+    created_at: DateTime<Utc>,
+    expires_at: DateTime<Utc>,
+}
+
+/// Reads the record of `(scope, key)`, expired or not, on `conn` (in a transaction or not).
+pub(crate) async fn read(
+    conn: &mut sqlx::PgConnection,
+    scope: &str,
+    key: &str,
+) -> Result<Option<RecordRow>, sqlx::Error> {
+    sqlx::query_as!(
+        RecordRow,
+        r#"SELECT scope, key, command_hash, state, status_code, response_headers, response_body,
                       created_at, expires_at
                FROM idempotency_record WHERE scope = $1 AND key = $2"#,
-            scope,
-            key,
-        )
-        .fetch_optional(self.db())
-        .await
-        .map_err(|e| self.failed(e))?;
-        let Some(row) = row else { return Ok(None) };
+        scope,
+        key,
+    )
+    .fetch_optional(conn)
+    .await
+}
+
+impl RecordRow {
+    pub(crate) fn into_record(self) -> Result<IdempotencyRecord, StoreError> {
         let command_hash: [u8; 32] =
-            row.command_hash.try_into().map_err(|_| StoreError::Other("command_hash is not 32 bytes".into()))?;
-        let state = match row.state.as_str() {
+            self.command_hash.try_into().map_err(|_| StoreError::Other("command_hash is not 32 bytes".into()))?;
+        let state = match self.state.as_str() {
             "completed" => IdempotencyState::Completed,
             _ => IdempotencyState::InFlight,
         };
-        let response = match (row.status_code, row.response_body) {
+        let response = match (self.status_code, self.response_body) {
             (Some(code), Some(body)) => {
-                let headers: Vec<(String, String)> = match row.response_headers {
+                let headers: Vec<(String, String)> = match self.response_headers {
                     Some(h) => serde_json::from_value(h)
                         .map_err(|e| StoreError::Other(format!("stored headers unreadable: {e}")))?,
                     None => Vec::new(),
@@ -109,14 +136,14 @@ impl IdempotencyRepository for PgUnitOfWork {
             }
             _ => None,
         };
-        Ok(Some(IdempotencyRecord {
-            scope: row.scope,
-            key: row.key,
+        Ok(IdempotencyRecord {
+            scope: self.scope,
+            key: self.key,
             command_hash,
             state,
             response,
-            created_at: row.created_at,
-            expires_at: row.expires_at,
-        }))
+            created_at: self.created_at,
+            expires_at: self.expires_at,
+        })
     }
 }

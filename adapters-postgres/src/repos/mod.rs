@@ -1,6 +1,6 @@
 //! The repository ports, implemented on one transaction (`PgUnitOfWork`), one module per port.
 
-mod idempotency;
+pub(crate) mod idempotency;
 pub(crate) mod outbox;
 mod payments;
 mod processed_events;

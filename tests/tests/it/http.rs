@@ -1065,3 +1065,44 @@ async fn refusals_roll_back_unless_committed_on_purpose() -> anyhow::Result<()> 
     assert_eq!(twice.status().as_u16(), 500);
     Ok(())
 }
+
+/// Issue 27.2: a retry whose record is completed and matches is answered from one read — one round trip to
+/// PostgreSQL, no claim transaction (before: BEGIN, the claim, the read and ROLLBACK) — while a different
+/// request with the key still goes the full way and conflicts.
+#[tokio::test]
+async fn a_replay_of_a_completed_key_costs_one_read() -> anyhow::Result<()> {
+    use sqlx::postgres::PgConnectOptions;
+    let db = TestDb::new().await?;
+    let options: PgConnectOptions = db.url.parse()?;
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let address = tokio::net::lookup_host(&upstream).await?.next().ok_or_else(|| anyhow::anyhow!("no {upstream}"))?;
+    let proxy = idem_tests::kafka::TcpProxy::start(listener, address)?;
+    let proxied = db.url.replacen(&upstream, &proxy.addr.to_string(), 1);
+    let settings = idem_postgres::PoolSettings { max_connections: 1, ..Default::default() };
+    let store = PgStore::connect(&proxied, &settings).await?;
+    let tm: Arc<dyn TransactionManager> = Arc::new(store);
+    let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), layer_config(StatusCode::CONFLICT));
+    let router = axum::Router::new()
+        .route("/op", axum::routing::post(|_tx: Tx| async { (StatusCode::CREATED, "done") }))
+        .route_layer(layer)
+        .layer(axum::middleware::from_fn(|mut req: axum::extract::Request, next: axum::middleware::Next| async move {
+            req.extensions_mut().insert(idem_http::Merchant("merchant_a".into()));
+            next.run(req).await
+        }));
+    let base = idem_tests::serve(router).await?;
+    let http = reqwest::Client::new();
+    let send =
+        |body: &'static str| http.post(format!("{base}/op")).header("idempotency-key", "fast-1").body(body).send();
+    assert_eq!(send("{}").await?.status().as_u16(), 201);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = proxy.flights();
+    let replayed = send("{}").await?;
+    assert_eq!(replayed.headers().get("idempotent-replayed").and_then(|v| v.to_str().ok()), Some("true"));
+    assert_eq!(replayed.text().await?, "done");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(proxy.flights() - before, 1, "a replay of a completed key took more than one round trip");
+    let other = send(r#"{"other":1}"#).await?;
+    assert_eq!(other.status().as_u16(), 409, "a different request with the key must still conflict");
+    Ok(())
+}
