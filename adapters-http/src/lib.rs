@@ -24,7 +24,9 @@ use axum::routing::{get, post};
 
 pub use api::ApiState;
 pub use auth::{ApiKeys, Merchant};
-pub use idempotency::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyConfig, IdempotencyLayer, ScopeFn, Tx};
+pub use idempotency::{
+    FastPath, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyConfig, IdempotencyLayer, ScopeFn, Tx,
+};
 pub use metrics::HttpMetrics;
 pub use problem::{CommitRefusal, PROBLEM_JSON, Problem, ProblemJson, ProblemKind};
 

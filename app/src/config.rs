@@ -162,6 +162,17 @@ pub enum DedupStorageArg {
     Partitioned,
 }
 
+/// `IDEMPOTENCY_REPLAY_FAST_PATH`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FastPathArg {
+    /// While replays are over a tenth of recent requests.
+    Adaptive,
+    /// Before every claim.
+    Always,
+    /// Never.
+    Never,
+}
+
 /// On or off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LayerSwitch {
@@ -379,6 +390,10 @@ pub struct ServeArgs {
     /// Longest time a client may take to send a request body (nothing runs before it is complete).
     #[arg(long, env = "HTTP_BODY_READ_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub http_body_read_timeout: Duration,
+    /// When a retry of a completed key is answered from one read before claiming: `adaptive` (while
+    /// replays are over a tenth of recent requests: a retry storm), `always`, or `never`.
+    #[arg(long, env = "IDEMPOTENCY_REPLAY_FAST_PATH", default_value = "adaptive")]
+    pub idempotency_replay_fast_path: FastPathArg,
     /// Longest time from a complete request head to its response: a request not answered by then gets 503
     /// and is dropped (its transaction rolls back unless the commit was under way: retry with the same key).
     #[arg(long, env = "HTTP_REQUEST_TIMEOUT", default_value = "30s", value_parser = parse_duration)]

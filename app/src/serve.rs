@@ -1,7 +1,9 @@
 //! `idem serve` and `idem relay`: wiring the adapters into the running service (HTTP first, then the
 //! Kafka side in the background), its background tasks, and the graceful drain.
 
-use crate::config::{ConflictStatus, DbArgs, DedupStorageArg, LayerSwitch, RelayArgs, RelayOnlyArgs, ServeArgs};
+use crate::config::{
+    ConflictStatus, DbArgs, DedupStorageArg, FastPathArg, LayerSwitch, RelayArgs, RelayOnlyArgs, ServeArgs,
+};
 use anyhow::Context;
 use axum::http::StatusCode;
 use idem::Background;
@@ -110,6 +112,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let mut idem_config = IdempotencyConfig::new(checked.idempotency_ttl, idem_http::merchant_scope());
     idem_config.wait = args.idempotency_wait;
+    idem_config.replay_fast_path = match args.idempotency_replay_fast_path {
+        FastPathArg::Adaptive => idem_http::FastPath::Adaptive,
+        FastPathArg::Always => idem_http::FastPath::Always,
+        FastPathArg::Never => idem_http::FastPath::Never,
+    };
     idem_config.conflict_status = match args.conflict_status {
         ConflictStatus::Conflict => StatusCode::CONFLICT,
         ConflictStatus::Unprocessable => StatusCode::UNPROCESSABLE_ENTITY,

@@ -299,14 +299,20 @@ async fn main() -> anyhow::Result<()> {
     // One database per service and one for the ceiling: no relay publishes another phase's rows, and the
     // service can stay up (idle) while pgbench runs.
     let mut dbs = Vec::new();
-    for name in ["idem_bench_http", "idem_bench_http_idle", "idem_bench_http_ceiling", "idem_bench_http_pgbouncer"] {
+    for name in [
+        "idem_bench_http",
+        "idem_bench_http_idle",
+        "idem_bench_http_ceiling",
+        "idem_bench_http_pgbouncer",
+        "idem_bench_http_nofast",
+    ] {
         let db = fresh_database(&admin, name).await?;
         let store = idem_postgres::PgStore::connect(&db, &idem_postgres::PoolSettings::default()).await?;
         store.migrate_reference().await?;
         store.close().await;
         dbs.push(db);
     }
-    let (db, idle_db, ceiling_db, pooled_db) = (&dbs[0], &dbs[1], &dbs[2], &dbs[3]);
+    let (db, idle_db, ceiling_db, pooled_db, nofast_db) = (&dbs[0], &dbs[1], &dbs[2], &dbs[3], &dbs[4]);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/sql/charge.sql");
 
     // BENCH_PHASES (on,replay,off,idle): the phases to run, for quick comparisons of one setting.
@@ -336,8 +342,16 @@ async fn main() -> anyhow::Result<()> {
         }
         None => None,
     };
+    // Not in the default phases: the same charges with the replay fast path off (its read before every
+    // claim is what first executions pay for it), interleaved with the others.
+    let nofast_svc = if wanted("nofast") {
+        let env = [("IDEMPOTENCY_REPLAY_FAST_PATH", "never")];
+        Some(common::start_service_with(&bin, nofast_db, 18084, "on", &env).await?)
+    } else {
+        None
+    };
     let (mut ceiling, mut on, mut quiet) = (Ceiling::default(), Measured::default(), Measured::default());
-    let mut pooled = Measured::default();
+    let (mut pooled, mut nofast) = (Measured::default(), Measured::default());
     for _ in 0..rounds {
         ceiling.slice(ceiling_db, script, concurrency, seconds).await?;
         if let Some(svc) = &on_svc {
@@ -348,6 +362,9 @@ async fn main() -> anyhow::Result<()> {
         }
         if let Some(svc) = &pooled_svc {
             charges_slice(svc, pooled_db, concurrency, duration, &mut pooled).await;
+        }
+        if let Some(svc) = &nofast_svc {
+            charges_slice(svc, nofast_db, concurrency, duration, &mut nofast).await;
         }
     }
     drop(pooled_svc);
@@ -365,6 +382,15 @@ async fn main() -> anyhow::Result<()> {
         _ => None,
     };
     drop(on_svc);
+    let nofast_replays = match &nofast_svc {
+        Some(svc) => {
+            let pick = Arc::new(std::mem::take(&mut nofast.sent));
+            let replay = phase(&svc.base, concurrency, duration, move |w, i| pick[(w * 7919 + i) % pick.len()].clone());
+            Some(replay.await.summary("replay, fast path off"))
+        }
+        None => None,
+    };
+    drop(nofast_svc);
     let off = if wanted("off") {
         let svc = start_service(&bin, db, 18081, "off").await?;
         warm_up(&svc, concurrency).await;
@@ -375,8 +401,13 @@ async fn main() -> anyhow::Result<()> {
     };
     let quiet_summary = wanted("idle").then(|| quiet.summary("charge, layer on, relay idle"));
     let pooled_summary = wanted("pgbouncer").then(|| pooled.summary("charge through PgBouncer (transaction)"));
+    let nofast_summary = wanted("nofast").then(|| nofast.summary("charge, replay fast path off"));
     let rows: Vec<Summary> =
-        [&on_summary, &replays, &off, &quiet_summary, &pooled_summary].into_iter().flatten().cloned().collect();
+        [&on_summary, &replays, &off, &quiet_summary, &pooled_summary, &nofast_summary, &nofast_replays]
+            .into_iter()
+            .flatten()
+            .cloned()
+            .collect();
     print_table(&rows);
     let tps = ceiling.rate();
     println!("{:<44} {:>10} {:>8} {:>12.0}", "ceiling: same SQL transaction via pgbench", "-", "-", tps);
@@ -419,6 +450,16 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Some(quiet) = &quiet_summary {
         println!("relay idle / pgbench ceiling  = {:.2}  (diagnostic: the same, not publishing)", quiet.rate() / tps);
+    }
+    if let (Some(on), Some(nofast_rate)) = (&on_summary, &nofast_summary) {
+        println!("slices (charges/s): fast path off {}", rates(&nofast.rates));
+        println!(
+            "first executions: fast path on / off = {:.2}  (same run, interleaved slices: what its read costs)",
+            on.rate() / nofast_rate.rate()
+        );
+    }
+    if let (Some(replays), Some(nofast_replays)) = (&replays, &nofast_replays) {
+        println!("replays: fast path on / off      = {:.2}", replays.rate() / nofast_replays.rate());
     }
     if let (Some(on), Some(pooled)) = (&on_summary, &pooled_summary) {
         println!("through PgBouncer / direct    = {:.2}  (same run, interleaved slices)", pooled.rate() / on.rate());

@@ -1082,7 +1082,9 @@ async fn a_replay_of_a_completed_key_costs_one_read() -> anyhow::Result<()> {
     let settings = idem_postgres::PoolSettings { max_connections: 1, ..Default::default() };
     let store = PgStore::connect(&proxied, &settings).await?;
     let tm: Arc<dyn TransactionManager> = Arc::new(store);
-    let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), layer_config(StatusCode::CONFLICT));
+    let mut config = layer_config(StatusCode::CONFLICT);
+    config.replay_fast_path = idem_http::FastPath::Always;
+    let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), config);
     let router = axum::Router::new()
         .route("/op", axum::routing::post(|_tx: Tx| async { (StatusCode::CREATED, "done") }))
         .route_layer(layer)
