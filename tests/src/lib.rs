@@ -102,6 +102,20 @@ impl TestDb {
         Ok(Self { store, url, name })
     }
 
+    /// A [`kafka::TcpProxy`] in front of this database's server (it counts the round trips a client makes)
+    /// and this database's URL through it.
+    pub async fn proxied(&self) -> anyhow::Result<(kafka::TcpProxy, String)> {
+        let options: sqlx::postgres::PgConnectOptions = self.url.parse()?;
+        let upstream = format!("{}:{}", options.get_host(), options.get_port());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let address =
+            tokio::net::lookup_host(&upstream).await?.next().ok_or_else(|| anyhow::anyhow!("no {upstream}"))?;
+        let proxy = kafka::TcpProxy::start(listener, address)?;
+        let proxied = self.url.replacen(&upstream, &proxy.addr.to_string(), 1);
+        anyhow::ensure!(proxied != self.url, "cannot route {} through the proxy", self.url);
+        Ok((proxy, proxied))
+    }
+
     pub fn pool(&self) -> &sqlx::PgPool {
         self.store.pool()
     }

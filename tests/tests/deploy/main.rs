@@ -11,22 +11,13 @@ mod harness;
 
 use std::time::{Duration, Instant};
 
-use harness::{Service, charge_request};
+use harness::{Service, charge_request, placed};
 use idem_http::client::IdemClient;
 use idem_tests::TestDb;
 use idem_tests::effects::{charges_executed_twice, log_order_applications, log_payment_attempts, orders_applied_twice};
 use idem_tests::infra::{FreezingProxy, PgBouncer, Pki, TlsBroker, TlsPostgres};
 use idem_tests::kafka::{eventually, produce, producer};
-use serde_json::json;
 use uuid::Uuid;
-
-fn placed(order: Uuid, external: &str) -> String {
-    json!({
-        "type": "OrderPlaced", "order_id": order, "customer_id": Uuid::now_v7(), "amount": "10.00",
-        "currency": "EUR", "provider": "deploy", "external_payment_id": external, "version": 1,
-    })
-    .to_string()
-}
 
 async fn count(db: &TestDb, sql: &str) -> anyhow::Result<i64> {
     Ok(sqlx::query_scalar(sql).fetch_one(db.pool()).await?)

@@ -236,6 +236,16 @@ impl Ledger {
     }
 }
 
+#[allow(dead_code)] // used by the ops and deploy tests, which share this harness
+/// The body of an `OrderPlaced` event for `order`, paid with provider payment id `external`.
+pub fn placed(order: Uuid, external: &str) -> String {
+    serde_json::json!({
+        "type": "OrderPlaced", "order_id": order, "customer_id": Uuid::now_v7(), "amount": "10.00",
+        "currency": "EUR", "provider": "ops", "external_payment_id": external, "version": 1,
+    })
+    .to_string()
+}
+
 pub fn charge_request(external: &str) -> ChargeRequest {
     ChargeRequest {
         order_id: Uuid::now_v7(),

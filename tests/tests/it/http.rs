@@ -26,6 +26,16 @@ struct Api {
     http: reqwest::Client,
 }
 
+/// `router` with every request authenticated as `merchant_a` (routes built without the API's key layer).
+fn as_merchant_a(router: axum::Router) -> axum::Router {
+    router.layer(axum::middleware::from_fn(
+        |mut req: axum::extract::Request, next: axum::middleware::Next| async move {
+            req.extensions_mut().insert(idem_http::Merchant("merchant_a".into()));
+            next.run(req).await
+        },
+    ))
+}
+
 fn layer_config(conflict: StatusCode) -> IdempotencyConfig {
     let ttl = TtlPolicy::new(Duration::from_secs(48 * 3600)).expect("valid ttl");
     let mut config = IdempotencyConfig::new(ttl, idem_http::merchant_scope());
@@ -323,12 +333,7 @@ async fn handler_failure_after_insert_stores_nothing_and_retry_succeeds() -> any
             (StatusCode::CREATED, "charged").into_response()
         }
     };
-    let router = axum::Router::new().route("/charge", axum::routing::post(handler)).route_layer(layer).layer(
-        axum::middleware::from_fn(|mut req: axum::extract::Request, next: axum::middleware::Next| async move {
-            req.extensions_mut().insert(idem_http::Merchant("merchant_a".into()));
-            next.run(req).await
-        }),
-    );
+    let router = as_merchant_a(axum::Router::new().route("/charge", axum::routing::post(handler)).route_layer(layer));
     let base = idem_tests::serve(router).await?;
     let http = reqwest::Client::new();
     let send = || http.post(format!("{base}/charge")).header("idempotency-key", "fail-key").body("{}").send();
@@ -1007,14 +1012,12 @@ async fn refusals_roll_back_unless_committed_on_purpose() -> anyhow::Result<()> 
         (StatusCode::CREATED, "reserved").into_response()
     };
     let twice = |_first: Tx, _second: Tx| async move { StatusCode::OK };
-    let router = axum::Router::new()
-        .route("/reserve", axum::routing::post(reserve))
-        .route("/twice", axum::routing::post(twice))
-        .route_layer(layer)
-        .layer(axum::middleware::from_fn(|mut req: axum::extract::Request, next: axum::middleware::Next| async move {
-            req.extensions_mut().insert(idem_http::Merchant("merchant_a".into()));
-            next.run(req).await
-        }));
+    let router = as_merchant_a(
+        axum::Router::new()
+            .route("/reserve", axum::routing::post(reserve))
+            .route("/twice", axum::routing::post(twice))
+            .route_layer(layer),
+    );
     let base = idem_tests::serve(router).await?;
     let http = reqwest::Client::new();
     let send = |key: &'static str, body: &'static str| {
@@ -1071,27 +1074,19 @@ async fn refusals_roll_back_unless_committed_on_purpose() -> anyhow::Result<()> 
 /// request with the key still goes the full way and conflicts.
 #[tokio::test]
 async fn a_replay_of_a_completed_key_costs_one_read() -> anyhow::Result<()> {
-    use sqlx::postgres::PgConnectOptions;
     let db = TestDb::new().await?;
-    let options: PgConnectOptions = db.url.parse()?;
-    let upstream = format!("{}:{}", options.get_host(), options.get_port());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let address = tokio::net::lookup_host(&upstream).await?.next().ok_or_else(|| anyhow::anyhow!("no {upstream}"))?;
-    let proxy = idem_tests::kafka::TcpProxy::start(listener, address)?;
-    let proxied = db.url.replacen(&upstream, &proxy.addr.to_string(), 1);
+    let (proxy, proxied) = db.proxied().await?;
     let settings = idem_postgres::PoolSettings { max_connections: 1, ..Default::default() };
     let store = PgStore::connect(&proxied, &settings).await?;
     let tm: Arc<dyn TransactionManager> = Arc::new(store);
     let mut config = layer_config(StatusCode::CONFLICT);
     config.replay_fast_path = idem_http::FastPath::Always;
     let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), config);
-    let router = axum::Router::new()
-        .route("/op", axum::routing::post(|_tx: Tx| async { (StatusCode::CREATED, "done") }))
-        .route_layer(layer)
-        .layer(axum::middleware::from_fn(|mut req: axum::extract::Request, next: axum::middleware::Next| async move {
-            req.extensions_mut().insert(idem_http::Merchant("merchant_a".into()));
-            next.run(req).await
-        }));
+    let router = as_merchant_a(
+        axum::Router::new()
+            .route("/op", axum::routing::post(|_tx: Tx| async { (StatusCode::CREATED, "done") }))
+            .route_layer(layer),
+    );
     let base = idem_tests::serve(router).await?;
     let http = reqwest::Client::new();
     let send =

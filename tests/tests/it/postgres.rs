@@ -265,15 +265,8 @@ async fn a_statement_timeout_is_a_transient_store_error() -> anyhow::Result<()> 
 #[tokio::test]
 async fn a_unit_of_work_costs_its_statements_and_nothing_more() -> anyhow::Result<()> {
     use idem_ports::UnitOfWork;
-    use sqlx::postgres::PgConnectOptions;
     let db = TestDb::new().await?;
-    let options: PgConnectOptions = db.url.parse()?;
-    let upstream = format!("{}:{}", options.get_host(), options.get_port());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let address = tokio::net::lookup_host(&upstream).await?.next().ok_or_else(|| anyhow::anyhow!("no {upstream}"))?;
-    let proxy = idem_tests::kafka::TcpProxy::start(listener, address)?;
-    let proxied = db.url.replacen(&upstream, &proxy.addr.to_string(), 1);
-    anyhow::ensure!(proxied != db.url, "cannot route {} through the proxy", db.url);
+    let (proxy, proxied) = db.proxied().await?;
     let settings = idem_postgres::PoolSettings { max_connections: 1, ..Default::default() };
     let store = idem_postgres::PgStore::connect(&proxied, &settings).await?;
     let unit = |store: idem_postgres::PgStore| async move {

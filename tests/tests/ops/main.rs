@@ -11,7 +11,7 @@ mod harness;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use harness::{API_KEY, Service, charge_request};
+use harness::{API_KEY, Service, charge_request, placed};
 use idem_tests::TestDb;
 use idem_tests::effects::{applications_of_order, log_order_applications};
 use idem_tests::kafka::{eventually, produce, producer};
@@ -34,14 +34,6 @@ fn idem_json(service: &Service, args: &[&str]) -> anyhow::Result<Value> {
         String::from_utf8_lossy(&out.stdout)
     );
     Ok(serde_json::from_slice(&out.stdout)?)
-}
-
-fn placed(order: Uuid, external: &str) -> String {
-    json!({
-        "type": "OrderPlaced", "order_id": order, "customer_id": Uuid::now_v7(), "amount": "10.00",
-        "currency": "EUR", "provider": "ops", "external_payment_id": external, "version": 1,
-    })
-    .to_string()
 }
 
 async fn payments_of(db: &TestDb, external: &str) -> anyhow::Result<i64> {
