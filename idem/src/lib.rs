@@ -7,8 +7,8 @@
 //!   own SQL in it ([`PgUnitOfWork`](postgres::PgUnitOfWork)), migrations, the cleaner.
 //! - [`kafka`] (feature `kafka`): the deduplicating consumer [`Runner`](kafka::consumer::Runner), the outbox
 //!   [`Relay`](kafka::relay::Relay), [`EventProducer`](kafka::EventProducer) for producers outside the outbox.
-//! - [`PgTx`] (features `http` and `postgres`): the request's unit of work with your own SQL connection,
-//!   typed.
+//! - [`PgTx`] (features `http` and `postgres`) and [`PgEventHandler`] with [`pg_runner`] (features `kafka`
+//!   and `postgres`): the request's and the event's unit of work, typed for your own SQL.
 //! - [`Background`] (features `kafka` and `postgres`): relay, outbox vacuum, cleaner, topic checks and
 //!   consumers started in one call, under one shutdown token.
 //! - At the root: the ports and values every service uses ([`NewOutboxMessage`], [`EventHandler`],
@@ -20,6 +20,8 @@
 
 #[cfg(all(feature = "kafka", feature = "postgres"))]
 mod background;
+#[cfg(all(feature = "kafka", feature = "postgres"))]
+mod pg_handler;
 #[cfg(all(feature = "http", feature = "postgres"))]
 mod pg_tx;
 mod tasks;
@@ -31,6 +33,8 @@ pub use idem_ports::{
     self as ports, Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, NewOutboxMessage, StoreError,
     SystemClock, TransactionManager, UnitOfWork, UuidV7Generator,
 };
+#[cfg(all(feature = "kafka", feature = "postgres"))]
+pub use pg_handler::{PgEventHandler, pg_runner};
 #[cfg(all(feature = "http", feature = "postgres"))]
 pub use pg_tx::PgTx;
 pub use tasks::TaskGroup;

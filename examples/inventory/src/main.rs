@@ -4,13 +4,13 @@ use std::{sync::Arc, time::Duration};
 
 use axum::{Router, extract::Path, http::StatusCode, routing::post};
 use idem::http::{IdempotencyConfig, IdempotencyLayer, Problem, ProblemKind};
-use idem::kafka::consumer::{Runner, RunnerSettings};
+use idem::kafka::consumer::RunnerSettings;
 use idem::kafka::relay::{Relay, RelaySettings};
 use idem::postgres::cleanup::{Cleaner, CleanupSettings};
 use idem::postgres::{PgStore, PgUnitOfWork, PoolSettings, map_sqlx_error};
 use idem::{
-    Background, EventHandler, HandlerError, InboundEvent, NewOutboxMessage, PgTx, StoreError, SystemClock,
-    TtlPolicy, UnitOfWork, UuidV7Generator,
+    Background, HandlerError, InboundEvent, NewOutboxMessage, PgEventHandler, PgTx, StoreError, SystemClock,
+    TtlPolicy, UuidV7Generator, pg_runner,
 };
 
 /// Behind the idempotency layer: runs once per Idempotency-Key; a retry gets the stored answer.
@@ -48,13 +48,12 @@ async fn reserve(Path(sku): Path<String>, mut tx: PgTx) -> Result<StatusCode, Pr
 struct Restocked;
 
 #[idem::async_trait]
-impl EventHandler for Restocked {
-    async fn handle(&self, uow: &mut dyn UnitOfWork, event: &InboundEvent) -> Result<(), HandlerError> {
+impl PgEventHandler for Restocked {
+    async fn handle(&self, tx: &mut PgUnitOfWork, event: &InboundEvent) -> Result<(), HandlerError> {
         let sku = String::from_utf8_lossy(&event.payload).into_owned();
-        let pg = PgUnitOfWork::of(uow)?;
         sqlx::query("UPDATE stock SET on_hand = on_hand + 1 WHERE sku = $1")
             .bind(&sku)
-            .execute(pg.connection())
+            .execute(tx.connection())
             .await
             .map_err(map_sqlx_error)?;
         Ok(())
@@ -73,10 +72,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let app: Router = Router::new().route("/stock/{sku}/reservations", post(reserve)).route_layer(layer);
 
     // relay (with its wake-ups and the outbox vacuum), cleaner, topics and consumers: one call, one token
-    let tm = Arc::new(store.clone());
-    let consumer = Runner::new(RunnerSettings::new(kafka, "inventory", "restocks", ttl), tm.clone(), clock.clone(), Arc::new(Restocked));
+    let restocks = RunnerSettings::new(kafka, "inventory", "restocks", ttl);
+    let consumer = pg_runner(restocks, store.clone(), clock.clone(), Restocked);
     let mut tasks = Background::new(store.clone(), kafka)
-        .relay(Relay::new(RelaySettings::new(kafka), tm, clock))
+        .relay(Relay::new(RelaySettings::new(kafka), Arc::new(store.clone()), clock))
         .cleaner(Cleaner::new(store.clone(), CleanupSettings::default()), Duration::from_secs(6 * 3600))
         .topics(&["restocks", "restocks.dlq", "stock"], 6, idem::kafka::admin::Replication::Auto)
         .consumer(consumer)

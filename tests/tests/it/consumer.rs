@@ -685,6 +685,46 @@ mod effects {
         Ok(())
     }
 
+    /// Issue 26: a `PgEventHandler` run by `idem::pg_runner` gets its unit of work typed (its SQL on
+    /// `tx.connection()`, no conversion that could fail) and each event applied once, duplicates dropped.
+    #[tokio::test]
+    async fn a_typed_postgres_handler_applies_each_event_once() -> anyhow::Result<()> {
+        struct Log;
+        #[idem::async_trait]
+        impl idem::PgEventHandler for Log {
+            async fn handle(
+                &self,
+                tx: &mut idem_postgres::PgUnitOfWork,
+                event: &idem_ports::InboundEvent,
+            ) -> Result<(), idem_ports::HandlerError> {
+                sqlx::query("INSERT INTO test_application (event_id, topic) VALUES ($1, $2)")
+                    .bind(event.event_id)
+                    .bind(&event.topic)
+                    .execute(tx.connection())
+                    .await
+                    .map_err(idem_postgres::map_sqlx_error)?;
+                Ok(())
+            }
+        }
+        let (db, brokers, topic) = setup(1).await?;
+        create_application_log(&db).await?;
+        let clock = Arc::new(ShiftedClock::new());
+        let runner =
+            idem::pg_runner(day_settings(&brokers, &unique_topic("g"), &topic), db.store.clone(), clock.clone(), Log);
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(runner.run(stop.clone()));
+        let p = producer(&brokers)?;
+        let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
+        for id in [a, b, a] {
+            send(&p, &topic, Uuid::from_u128(9), id, b"{}").await?;
+        }
+        drain(&db, &p, &topic, &clock).await?;
+        stop.cancel();
+        task.await??;
+        assert_eq!((applications_of_event(&db, a).await?, applications_of_event(&db, b).await?), (1, 1));
+        Ok(())
+    }
+
     /// 24.1: an event applied inside the window, refused 60 s later as `older-than-dedup-window` and
     /// re-driven with `--admit-late` (its `late_admission` row), is not applied again while its
     /// processed-event row still exists — in both dedup storages.
