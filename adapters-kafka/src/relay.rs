@@ -363,7 +363,9 @@ impl Relay {
         Ok(())
     }
 
-    /// One claim-publish-delete round.
+    /// One claim-publish-delete round, in four steps: claim rows; publish them in claim order (per key:
+    /// commit order); send each row of a refused request alone; record the outcome (delete what was
+    /// delivered, charge what failed) and commit.
     pub async fn round(&self, producer: &FutureProducer) -> Result<Round, StoreError> {
         let mut uow = self.tm.begin().await?;
         let rows = uow.outbox().claim_unpublished(self.settings.batch_size).await?;
@@ -371,81 +373,23 @@ impl Relay {
         if rows.is_empty() {
             return Ok(Round { claimed: 0, failed: 0, session_broken: false });
         }
-        // Enqueue in claim order (per key: commit order), then collect every delivery report. Once a row of
-        // a key failed, the later rows of that key are not sent (or, if already sent, not deleted): they
-        // wait behind it, so a key never publishes out of order.
-        let mut blocked: HashSet<&str> = HashSet::new();
-        let mut pending = Vec::with_capacity(rows.len());
-        for row in &rows {
-            if blocked.contains(row.aggregate_id.as_str()) {
-                pending.push(None);
-                continue;
-            }
-            let payload = row.payload.as_str();
-            let headers = record_headers(row);
-            let delivery = loop {
-                let record =
-                    FutureRecord::to(&row.topic).key(&row.aggregate_id).payload(payload).headers(headers.clone());
-                match producer.send_result(record) {
-                    Ok(d) => break Ok(d),
-                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
-                        tokio::time::sleep(Duration::from_millis(2)).await;
-                    }
-                    Err((e, _)) => break Err(e),
-                }
-            };
-            if delivery.is_err() {
-                blocked.insert(&row.aggregate_id);
-            }
-            pending.push(Some(delivery));
+        let mut published = publish(producer, &rows).await;
+        if !published.failures.rejected.is_empty() {
+            resend_refused(producer, &rows, &mut published).await;
         }
-        let mut delivered = Vec::with_capacity(rows.len());
-        let mut failures = Failures::default();
-        let mut session_broken = false;
-        let mut failed_keys: HashSet<&str> = HashSet::new();
-        for (row, delivery) in rows.iter().zip(pending) {
-            let outcome = match delivery {
-                None => continue, // behind a failed row of its key: left unpublished, not an attempt
-                Some(Ok(future)) => match future.await {
-                    Ok(Ok(_)) => Ok(()),
-                    Ok(Err((e, _))) => {
-                        session_broken |= breaks_session(&e);
-                        Err(e)
-                    }
-                    Err(_) => Err(KafkaError::Canceled),
-                },
-                Some(Err(e)) => Err(e),
-            };
-            match outcome {
-                Ok(()) if !failed_keys.contains(row.aggregate_id.as_str()) => delivered.push(row),
-                Ok(()) => {} // sent, but behind a failed row of its key: re-sent later, receivers dedup
-                Err(e) => {
-                    failed_keys.insert(&row.aggregate_id);
-                    tracing::warn!(event_id = %row.id, topic = %row.topic, attempts = row.attempts + 1, error = %e, "outbox publish failed");
-                    failures.add(row.id, &e);
-                }
-            }
-        }
-        if !failures.rejected.is_empty() {
-            // The broker refuses whole produce requests (a batch of several keys and partitions): a refusal
-            // says only that some row of the request was refused. Each refused row is sent alone, in claim
-            // order, before it is charged; a key whose row is refused alone (or fails) sends nothing more.
-            let refused: HashSet<uuid::Uuid> = failures.rejected.drain(..).collect();
-            let mut stopped: HashSet<&str> = HashSet::new();
-            for row in rows.iter().filter(|r| refused.contains(&r.id)) {
-                if stopped.contains(row.aggregate_id.as_str()) {
-                    continue; // behind a row of its key refused alone: waits, not an attempt
-                }
-                match send_alone(producer, row).await {
-                    Ok(()) => delivered.push(row),
-                    Err(e) => {
-                        stopped.insert(&row.aggregate_id);
-                        session_broken |= breaks_session(&e);
-                        failures.add(row.id, &e);
-                    }
-                }
-            }
-        }
+        let Published { delivered, failures, session_broken } = published;
+        let failed = failures.failed.len();
+        self.record(uow, &delivered, failures).await?;
+        Ok(Round { claimed: rows.len(), failed, session_broken })
+    }
+
+    /// Deletes the delivered rows, charges the failed and refused ones, commits, and counts.
+    async fn record(
+        &self,
+        mut uow: Box<dyn idem_ports::UnitOfWork>,
+        delivered: &[&OutboxRecord],
+        failures: Failures,
+    ) -> Result<(), StoreError> {
         let now = self.clock.now();
         let ids: Vec<_> = delivered.iter().map(|r| r.id).collect();
         if !ids.is_empty() {
@@ -468,11 +412,97 @@ impl Relay {
         if quarantined > 0 {
             tracing::error!(rows = quarantined, error = %last_rejection, "outbox rows quarantined: the broker refuses them for good; see `idem outbox`");
         }
-        for r in &delivered {
+        for r in delivered {
             let secs = (now - r.created_at).num_microseconds().unwrap_or(0).max(0) as f64 / 1e6;
             self.stats.publish_latency.observe(secs);
         }
-        Ok(Round { claimed: rows.len(), failed: failed.len(), session_broken })
+        Ok(())
+    }
+}
+
+/// What a round's publishing did: the rows delivered (to delete), the failures (to charge), and whether
+/// the producer session is broken.
+struct Published<'r> {
+    delivered: Vec<&'r OutboxRecord>,
+    failures: Failures,
+    session_broken: bool,
+}
+
+/// Enqueues `rows` in claim order (per key: commit order), then collects every delivery report. Once a row
+/// of a key failed, the later rows of that key are not sent (or, if already sent, not deleted): they wait
+/// behind it, so a key never publishes out of order.
+async fn publish<'r>(producer: &FutureProducer, rows: &'r [OutboxRecord]) -> Published<'r> {
+    let mut blocked: HashSet<&str> = HashSet::new();
+    let mut pending = Vec::with_capacity(rows.len());
+    for row in rows {
+        if blocked.contains(row.aggregate_id.as_str()) {
+            pending.push(None);
+            continue;
+        }
+        let payload = row.payload.as_str();
+        let headers = record_headers(row);
+        let delivery = loop {
+            let record = FutureRecord::to(&row.topic).key(&row.aggregate_id).payload(payload).headers(headers.clone());
+            match producer.send_result(record) {
+                Ok(d) => break Ok(d),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                Err((e, _)) => break Err(e),
+            }
+        };
+        if delivery.is_err() {
+            blocked.insert(&row.aggregate_id);
+        }
+        pending.push(Some(delivery));
+    }
+    let mut published =
+        Published { delivered: Vec::with_capacity(rows.len()), failures: Failures::default(), session_broken: false };
+    let mut failed_keys: HashSet<&str> = HashSet::new();
+    for (row, delivery) in rows.iter().zip(pending) {
+        let outcome = match delivery {
+            None => continue, // behind a failed row of its key: left unpublished, not an attempt
+            Some(Ok(future)) => match future.await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err((e, _))) => {
+                    published.session_broken |= breaks_session(&e);
+                    Err(e)
+                }
+                Err(_) => Err(KafkaError::Canceled),
+            },
+            Some(Err(e)) => Err(e),
+        };
+        match outcome {
+            Ok(()) if !failed_keys.contains(row.aggregate_id.as_str()) => published.delivered.push(row),
+            Ok(()) => {} // sent, but behind a failed row of its key: re-sent later, receivers dedup
+            Err(e) => {
+                failed_keys.insert(&row.aggregate_id);
+                tracing::warn!(event_id = %row.id, topic = %row.topic, attempts = row.attempts + 1, error = %e, "outbox publish failed");
+                published.failures.add(row.id, &e);
+            }
+        }
+    }
+    published
+}
+
+/// The broker refuses whole produce requests (a batch of several keys and partitions): a refusal says only
+/// that some row of the request was refused. Each refused row is sent alone, in claim order, before it is
+/// charged; a key whose row is refused alone (or fails) sends nothing more.
+async fn resend_refused<'r>(producer: &FutureProducer, rows: &'r [OutboxRecord], published: &mut Published<'r>) {
+    let refused: HashSet<uuid::Uuid> = published.failures.rejected.drain(..).collect();
+    let mut stopped: HashSet<&str> = HashSet::new();
+    for row in rows.iter().filter(|r| refused.contains(&r.id)) {
+        if stopped.contains(row.aggregate_id.as_str()) {
+            continue; // behind a row of its key refused alone: waits, not an attempt
+        }
+        match send_alone(producer, row).await {
+            Ok(()) => published.delivered.push(row),
+            Err(e) => {
+                stopped.insert(&row.aggregate_id);
+                published.session_broken |= breaks_session(&e);
+                published.failures.add(row.id, &e);
+            }
+        }
     }
 }
 
