@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Runs benchmarks against the local services and prints their figures.
-#   scripts/bench.sh [--commit-bound] http|consumer|relay|cleanup ...
+#   scripts/bench.sh [--commit-bound] http|consumer|relay|cleanup|scale ...
 # --commit-bound runs them against a private PostgreSQL whose fsync takes FSYNC_DELAY (default 2ms; see
 # scripts/slowdisk/start.sh). BENCH_CLIENTS="8 32 64 128" runs the HTTP benchmark once per concurrency.
-# Other settings are environment variables documented at the top of each tests/benches/*.rs.
+# `scale` runs the HTTP benchmark's charges against idempotency_record prefilled to each of BENCH_SIZES
+# rows (default "0 5000000 20000000"; BENCH_KEYS=v4 (default) or v7 for the clients' keys), with the pgbench
+# ceiling on a table of the same size. Other settings are environment variables documented at the top of
+# each tests/benches/*.rs.
 set -euo pipefail
 # tansu keeps every topic in memory: after a test run it holds hundreds, and its CPU per message was 3x
 # higher than on an empty broker (BENCHMARKS.md). Benchmarks start from an empty one (BENCH_KEEP_BROKER=1
@@ -26,7 +29,12 @@ fi
 cargo build --release -p idem-app --quiet
 export IDEM_BIN="$root/target/release/idem"
 for bench in "${@:-http}"; do
-  if [ "$bench" = http ]; then
+  if [ "$bench" = scale ]; then
+    for size in ${BENCH_SIZES:-0 5000000 20000000}; do
+      BENCH_PREFILL_ROWS=$size BENCH_KEYS=${BENCH_KEYS:-v4} BENCH_PHASES=${BENCH_PHASES:-on} \
+        cargo bench -p idem-tests --bench http --quiet
+    done
+  elif [ "$bench" = http ]; then
     for clients in ${BENCH_CLIENTS:-${BENCH_CONCURRENCY:-8}}; do
       BENCH_CONCURRENCY=$clients cargo bench -p idem-tests --bench http --quiet
     done

@@ -10,8 +10,10 @@
 //! ratio divides the sums over all slices. Every slice's rate is printed.
 //!
 //! Run with `scripts/bench.sh http` (builds the release binary and starts the services). Settings:
-//! BENCH_CONCURRENCY (8), BENCH_SECONDS (5, per slice), BENCH_ROUNDS (6), BENCH_PHASES (on,replay,off,idle),
-//! IDEM_BIN (target/release/idem), DATABASE_URL.
+//! BENCH_CONCURRENCY (8), BENCH_SECONDS (5, per slice), BENCH_ROUNDS (6), BENCH_PHASES (on,replay,off,idle;
+//! also pgbouncer, nofast), IDEM_BIN (target/release/idem), DATABASE_URL. At size (`scripts/bench.sh scale`):
+//! BENCH_PREFILL_ROWS (0) completed idempotency records written into the service's and the ceiling's tables
+//! first, spread over the 48 h retention, and BENCH_KEYS (v7, or v4: random keys as most clients send).
 
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::disallowed_methods)]
 
@@ -65,8 +67,53 @@ async fn work(svc: &common::Service, db: &str) -> anyhow::Result<[Option<f64>; 7
 
 /// Two seconds of charges before a measured slice.
 async fn warm_up(svc: &common::Service, concurrency: usize) {
-    let _ =
-        phase(&svc.base, concurrency, Duration::from_secs(2), |_, _| (Uuid::now_v7().to_string(), charge_body())).await;
+    let _ = phase(&svc.base, concurrency, Duration::from_secs(2), |_, _| (new_key(), charge_body())).await;
+}
+
+/// A client's key: UUID v7 (time-ordered), or v4 (random: every insert lands anywhere in the key index)
+/// with BENCH_KEYS=v4.
+fn new_key() -> String {
+    if std::env::var("BENCH_KEYS").is_ok_and(|k| k == "v4") { Uuid::new_v4() } else { Uuid::now_v7() }.to_string()
+}
+
+/// Writes `rows` completed idempotency records of `scope` into `db`, spread over the 48 h retention (keys
+/// like BENCH_KEYS), vacuums and analyzes; returns the table's and its indexes' sizes in bytes.
+async fn prefill(db: &str, scope: &str, rows: u64) -> anyhow::Result<(i64, i64)> {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(db).await?;
+    let v4 = std::env::var("BENCH_KEYS").is_ok_and(|k| k == "v4");
+    let key = if v4 {
+        "gen_random_uuid()::text"
+    } else {
+        // time-ordered like a v7 key: the creation time leads
+        "lpad(to_hex((extract(epoch FROM t) * 1000)::bigint), 12, '0') || '-7000-8000-' || lpad(to_hex(i), 12, '0')"
+    };
+    let batch = 1_000_000u64;
+    let mut done = 0;
+    while done < rows {
+        let n = batch.min(rows - done);
+        let sql = format!(
+            "INSERT INTO idempotency_record (scope, key, command_hash, state, status_code, response_headers,
+                                             response_body, created_at, expires_at)
+             SELECT '{scope}', {key}, sha256(i::text::bytea), 'completed', 201,
+                    '[[\"content-type\",\"application/json\"]]', convert_to(repeat('x', 80), 'UTF8'), t,
+                    t + interval '48 hours'
+             FROM (SELECT i, now() - random() * interval '47 hours' AS t
+                   FROM generate_series({from}::bigint, {to}::bigint) i) s",
+            from = done + 1,
+            to = done + n,
+        );
+        sqlx::raw_sql(&sql).execute(&mut conn).await?;
+        done += n;
+        println!("prefilled {done} of {rows} rows in {scope}'s table");
+    }
+    sqlx::raw_sql("VACUUM ANALYZE idempotency_record").execute(&mut conn).await?;
+    let sizes: (i64, i64) =
+        sqlx::query_as("SELECT pg_table_size('idempotency_record'), pg_indexes_size('idempotency_record')")
+            .fetch_one(&mut conn)
+            .await?;
+    conn.close().await?;
+    Ok(sizes)
 }
 
 /// What slices of one phase measured, summed: latencies of successful requests, failures, time, the
@@ -141,7 +188,7 @@ impl Measured {
 async fn charges_slice(svc: &common::Service, db: &str, concurrency: usize, duration: Duration, into: &mut Measured) {
     warm_up(svc, concurrency).await;
     let before = work(svc, db).await.unwrap_or([None; 7]);
-    let slice = phase(&svc.base, concurrency, duration, |_, _| (Uuid::now_v7().to_string(), charge_body())).await;
+    let slice = phase(&svc.base, concurrency, duration, |_, _| (new_key(), charge_body())).await;
     let after = work(svc, db).await.unwrap_or([None; 7]);
     into.add(slice);
     into.add_work(before, after);
@@ -313,6 +360,22 @@ async fn main() -> anyhow::Result<()> {
         dbs.push(db);
     }
     let (db, idle_db, ceiling_db, pooled_db, nofast_db) = (&dbs[0], &dbs[1], &dbs[2], &dbs[3], &dbs[4]);
+    let prefill_rows: u64 = env_or("BENCH_PREFILL_ROWS", 0);
+    if prefill_rows > 0 {
+        let started = Instant::now();
+        let (table, indexes) = prefill(db, "bench", prefill_rows).await?;
+        prefill(ceiling_db, "pgbench", prefill_rows).await?;
+        let per_million = |bytes: i64| bytes as f64 / 1e6 / (prefill_rows as f64 / 1e6);
+        println!(
+            "idempotency_record at {prefill_rows} rows: table {:.0} MB, indexes {:.0} MB ({:.0} and {:.0} MB per \
+             million rows); prefilled both in {:?}",
+            table as f64 / 1e6,
+            indexes as f64 / 1e6,
+            per_million(table),
+            per_million(indexes),
+            started.elapsed()
+        );
+    }
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/sql/charge.sql");
 
     // BENCH_PHASES (on,replay,off,idle): the phases to run, for quick comparisons of one setting.
@@ -394,7 +457,7 @@ async fn main() -> anyhow::Result<()> {
     let off = if wanted("off") {
         let svc = start_service(&bin, db, 18081, "off").await?;
         warm_up(&svc, concurrency).await;
-        let off = phase(&svc.base, concurrency, duration, |_, _| (Uuid::now_v7().to_string(), charge_body())).await;
+        let off = phase(&svc.base, concurrency, duration, |_, _| (new_key(), charge_body())).await;
         Some(off.summary("charge, idempotency layer off"))
     } else {
         None
