@@ -104,8 +104,9 @@ pub fn pg_bindir() -> anyhow::Result<PathBuf> {
     found.pop().map(|(_, bin)| bin).context("no PostgreSQL server under /usr/lib/postgresql")
 }
 
-async fn wait_for_port(port: u16, what: &str) -> anyhow::Result<()> {
-    for _ in 0..200 {
+/// Waits (up to 30 s) until something listens on the loopback `port`.
+pub(crate) async fn wait_for_port(port: u16, what: &str) -> anyhow::Result<()> {
+    for _ in 0..600 {
         if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
             return Ok(());
         }

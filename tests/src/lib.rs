@@ -285,7 +285,7 @@ pub mod containers {
                             .with_env_var("PGPORT", port.to_string())
                     };
                     let c = start_shared(request, &format!("idem-test-postgres-{port}")).await?;
-                    wait_for_port(port).await?;
+                    crate::infra::wait_for_port(port, &image).await?;
                     anyhow::Ok((Box::new(c) as Held, port))
                 } else {
                     let c = GenericImage::new(name, tag)
@@ -326,7 +326,7 @@ pub mod containers {
                         ])
                     };
                     let c = start_shared(request, &format!("idem-test-tansu-{port}")).await?;
-                    wait_for_port(port).await?;
+                    crate::infra::wait_for_port(port, &image).await?;
                     anyhow::Ok((Box::new(c) as Held, port))
                 } else {
                     // Apache Kafka's image through testcontainers-modules' settings for one KRaft node
@@ -341,16 +341,6 @@ pub mod containers {
             })
             .await?;
         Ok(format!("127.0.0.1:{port}"))
-    }
-
-    async fn wait_for_port(port: u16) -> anyhow::Result<()> {
-        for _ in 0..300 {
-            if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
-                return Ok(());
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        }
-        anyhow::bail!("nothing listens on 127.0.0.1:{port}")
     }
 }
 
