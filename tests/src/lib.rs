@@ -299,11 +299,32 @@ pub mod containers {
                 }
             })
             .await?;
-        Ok(if is_local(&image) {
+        let url = if is_local(&image) {
             format!("postgres://postgres@127.0.0.1:{port}/postgres")
         } else {
             format!("postgres://postgres:postgres@127.0.0.1:{port}/postgres")
-        })
+        };
+        accepting_sessions(&url).await?;
+        Ok(url)
+    }
+
+    /// Waits until the server answers a query. A listening port and the "ready" log line are not enough:
+    /// a reused container found by a second test process, or one whose entrypoint's temporary server has
+    /// just stopped, still answers `57P03 the database system is starting up` for a moment.
+    async fn accepting_sessions(url: &str) -> anyhow::Result<()> {
+        use sqlx::Connection;
+        let mut last = None;
+        for _ in 0..300 {
+            match sqlx::PgConnection::connect(url).await {
+                Ok(mut conn) => match sqlx::query("SELECT 1").execute(&mut conn).await {
+                    Ok(_) => return Ok(conn.close().await?),
+                    Err(e) => last = Some(e),
+                },
+                Err(e) => last = Some(e),
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        Err(anyhow::anyhow!("the PostgreSQL container never accepted a session: {last:?}"))
     }
 
     pub async fn kafka() -> anyhow::Result<String> {
