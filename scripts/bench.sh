@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Runs benchmarks against the local services and prints their figures.
-#   scripts/bench.sh [--commit-bound] http|consumer|relay|cleanup|scale ...
+#   scripts/bench.sh [--commit-bound] http|consumer|relay|cleanup|scale|peers|soak ...
 # --commit-bound runs them against a private PostgreSQL whose fsync takes FSYNC_DELAY (default 2ms; see
 # scripts/slowdisk/start.sh). BENCH_CLIENTS="8 32 64 128" runs the HTTP benchmark once per concurrency.
 # `scale` runs the HTTP benchmark's charges against idempotency_record prefilled to each of BENCH_SIZES
 # rows (default "0 5000000 20000000"; BENCH_KEYS=v4 (default) or v7 for the clients' keys), with the pgbench
-# ceiling on a table of the same size. Other settings are environment variables documented at the top of
+# ceiling on a table of the same size. `peers` installs the peers from their registries into .local/peers/
+# (axum-idempotent from crates.io, built from peers/axum-idempotent; pg-transactional-outbox and kafkajs from
+# npm, with Debian's nodejs when node is missing) and runs tests/benches/peers.rs. `soak` runs one service for
+# BENCH_SOAK_MINUTES (30) at a steady rate with its RSS sampled. Other settings are environment variables documented at the top of
 # each tests/benches/*.rs.
 set -euo pipefail
 # tansu keeps every topic in memory: after a test run it holds hundreds, and its CPU per message was 3x
@@ -34,6 +37,14 @@ for bench in "${@:-http}"; do
       BENCH_PREFILL_ROWS=$size BENCH_KEYS=${BENCH_KEYS:-v4} BENCH_PHASES=${BENCH_PHASES:-on} \
         cargo bench -p idem-tests --bench http --quiet
     done
+  elif [ "$bench" = peers ]; then
+    command -v node >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q nodejs npm >/dev/null
+    cargo build --release --quiet --manifest-path "$root/peers/axum-idempotent/Cargo.toml" \
+      --target-dir "$root/.local/peers/target"
+    mkdir -p "$root/.local/peers/outbox"
+    cp "$root"/peers/pg-transactional-outbox/{package.json,package-lock.json,bench.cjs} "$root/.local/peers/outbox/"
+    (cd "$root/.local/peers/outbox" && npm ci --no-audit --no-fund --silent)
+    cargo bench -p idem-tests --bench peers --quiet
   elif [ "$bench" = http ]; then
     for clients in ${BENCH_CLIENTS:-${BENCH_CONCURRENCY:-8}}; do
       BENCH_CONCURRENCY=$clients cargo bench -p idem-tests --bench http --quiet

@@ -23,21 +23,9 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{API_KEY, Summary, env_or, fresh_database, pgbench, print_table, start_service};
-use serde_json::json;
+use common::load::{Slice, phase};
+use common::{Summary, charge_body, env_or, fresh_database, pgbench, print_table, start_service};
 use uuid::Uuid;
-
-fn charge_body() -> String {
-    json!({
-        "order_id": Uuid::now_v7(),
-        "customer_id": Uuid::now_v7(),
-        "provider": "bench",
-        "external_payment_id": Uuid::now_v7().to_string(),
-        "amount": "12.34",
-        "currency": "EUR",
-    })
-    .to_string()
-}
 
 /// Counters read around a phase: relay claims, relay rounds, committed + rolled-back transactions of the
 /// benchmark database, then CPU milliseconds of the service, the broker (tansu), PostgreSQL (all
@@ -229,106 +217,6 @@ impl Ceiling {
 
 fn rates(r: &[f64]) -> String {
     r.iter().map(|v| format!("{v:.0}")).collect::<Vec<_>>().join(" / ")
-}
-
-/// One slice of a phase: latencies of successful requests, failures, time, and up to 2,000 requests sent
-/// per client.
-struct Slice {
-    latencies: Vec<Duration>,
-    errors: usize,
-    elapsed: Duration,
-    sent: Vec<(String, String)>,
-}
-
-impl Slice {
-    fn summary(self, name: &str) -> Summary {
-        Summary::from_latencies(name, self.latencies, self.errors, self.elapsed)
-    }
-}
-
-/// `concurrency` workers sending `make()` requests until `duration` elapses.
-///
-/// Each worker owns one keep-alive HTTP/1.1 connection (hyper's connection API, driven in the worker's own
-/// task: no pool, no connection task) and the whole generator runs on one thread. The generator shares the
-/// two cores with what it measures, so every microsecond it spends is taken from the service; it prints
-/// its own CPU per charge.
-async fn phase<F>(base: &str, concurrency: usize, duration: Duration, make: F) -> Slice
-where
-    F: Fn(usize, usize) -> (String, String) + 'static,
-{
-    let make = std::rc::Rc::new(make);
-    let start = Instant::now();
-    let deadline = start + duration;
-    let addr = base.trim_start_matches("http://").to_owned();
-    let local = tokio::task::LocalSet::new();
-    let mut tasks = Vec::new();
-    for w in 0..concurrency {
-        let (make, addr) = (make.clone(), addr.clone());
-        tasks.push(local.spawn_local(async move { worker(&addr, w, deadline, &*make).await }));
-    }
-    let (mut latencies, mut errors, mut sent) = (Vec::new(), 0, Vec::new());
-    local
-        .run_until(async {
-            for t in tasks {
-                let (l, e, s) = t.await.unwrap();
-                latencies.extend(l);
-                errors += e;
-                sent.extend(s);
-            }
-        })
-        .await;
-    Slice { latencies, errors, elapsed: start.elapsed(), sent }
-}
-
-/// One client of [`phase`]: latencies of successful charges, failures, and up to 2,000 requests it sent.
-async fn worker(
-    addr: &str,
-    w: usize,
-    deadline: Instant,
-    make: &dyn Fn(usize, usize) -> (String, String),
-) -> (Vec<Duration>, usize, Vec<(String, String)>) {
-    use http_body_util::{BodyExt, Full};
-    let (mut lat, mut errors, mut sent) = (Vec::new(), 0usize, Vec::new());
-    let stream = tokio::net::TcpStream::connect(addr).await.expect("the service listens");
-    stream.set_nodelay(true).unwrap();
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake::<_, Full<bytes::Bytes>>(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .expect("HTTP/1.1 handshake");
-    let requests = async {
-        let auth = format!("Bearer {API_KEY}");
-        let mut i = 0;
-        while Instant::now() < deadline {
-            let (key, body) = make(w, i);
-            i += 1;
-            let t = Instant::now();
-            let req = http::Request::post("/payments")
-                .header(http::header::HOST, addr)
-                .header(http::header::AUTHORIZATION, &auth)
-                .header("idempotency-key", &key)
-                .header(http::header::CONTENT_TYPE, "application/json")
-                .body(Full::new(bytes::Bytes::from(body.clone())))
-                .unwrap();
-            let ok = match sender.send_request(req).await {
-                Ok(r) => r.status().as_u16() == 201 && r.into_body().collect().await.is_ok(),
-                Err(_) => false,
-            };
-            if ok {
-                lat.push(t.elapsed());
-                if sent.len() < 2000 {
-                    sent.push((key, body));
-                }
-            } else {
-                errors += 1;
-                if sender.ready().await.is_err() {
-                    break; // the connection is gone; the rest of the phase counts as nothing sent
-                }
-            }
-        }
-        drop(sender);
-    };
-    let _ = tokio::join!(conn, requests);
-    (lat, errors, sent)
 }
 
 #[tokio::main(flavor = "current_thread")]

@@ -4,6 +4,9 @@
 
 use std::time::Duration;
 
+pub mod load;
+pub mod relay;
+
 /// Throughput and latency of one measured phase.
 #[derive(Debug, Clone)]
 pub struct Summary {
@@ -80,6 +83,19 @@ pub fn pgbench(url: &str, script: &str, clients: usize, seconds: u64) -> anyhow:
 
 pub const API_KEY: &str = "bench_key_0123456789";
 
+/// A new charge's body: fresh order, customer and provider payment id.
+pub fn charge_body() -> String {
+    serde_json::json!({
+        "order_id": uuid::Uuid::now_v7(),
+        "customer_id": uuid::Uuid::now_v7(),
+        "provider": "bench",
+        "external_payment_id": uuid::Uuid::now_v7().to_string(),
+        "amount": "12.34",
+        "currency": "EUR",
+    })
+    .to_string()
+}
+
 /// A running `idem serve`, stopped with SIGTERM when dropped.
 pub struct Service {
     child: std::process::Child,
@@ -138,6 +154,21 @@ impl Service {
     }
 }
 
+impl Service {
+    /// The process's resident memory (`VmRSS` in `/proc/<pid>/status`), in bytes.
+    pub fn rss_bytes(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
+        let kb = status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.trim().trim_end_matches("kB").trim();
+        Some(kb.parse::<u64>().ok()? * 1024)
+    }
+
+    /// SIGKILL: the process ends wherever it is, as in a crash or an OOM kill.
+    pub fn crash(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Drop for Service {
     fn drop(&mut self) {
         let _ = std::process::Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
@@ -179,11 +210,23 @@ pub async fn start_service_with(
         }
     }
     let child = cmd.envs(env.iter().copied()).spawn()?;
+    answering(child, port, port + 1000).await
+}
+
+/// Starts another HTTP service (`bin` with `env`) on `port` and waits until it answers.
+pub async fn start_process(bin: &str, port: u16, env: &[(&str, &str)]) -> anyhow::Result<Service> {
+    let child =
+        std::process::Command::new(bin).envs(env.iter().copied()).stdout(std::process::Stdio::null()).spawn()?;
+    answering(child, port, port).await
+}
+
+/// `child` as a [`Service`] once `port` answers HTTP (any status).
+async fn answering(child: std::process::Child, port: u16, admin_port: u16) -> anyhow::Result<Service> {
     let base = format!("http://127.0.0.1:{port}");
     let client = reqwest::Client::new();
     for _ in 0..200 {
         if client.get(format!("{base}/healthz")).send().await.is_ok() {
-            return Ok(Service { child, base, admin: format!("http://127.0.0.1:{}", port + 1000) });
+            return Ok(Service { child, base, admin: format!("http://127.0.0.1:{admin_port}") });
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

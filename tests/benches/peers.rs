@@ -1,0 +1,520 @@
+//! idem side by side with the libraries a user would pick instead, in one run on the same PostgreSQL and
+//! broker, each with a fresh database (`scripts/bench.sh peers` builds and installs the peers into .local/):
+//!
+//! - **HTTP**: idem's `POST /payments` against an axum service using the crates.io crate `axum-idempotent`
+//!   (peers/axum-idempotent: the same business write, payment row with its UNIQUE constraint + outbox row in
+//!   one transaction). Fresh keys, then replays of stored keys, at each of BENCH_PEER_CLIENTS (8 64) clients,
+//!   in BENCH_ROUNDS (4) interleaved slices of BENCH_SECONDS (5); charges/s, p50/p99 and CPU per charge of the
+//!   service and of PostgreSQL. Then the guarantees, demonstrated against both: the same key with another
+//!   body, concurrent duplicates, and a SIGKILL between effect and record followed by retries.
+//! - **Outbox**: idem's relay against `pg-transactional-outbox` (npm; polling listener, kafkajs producer),
+//!   see [`outbox`].
+//!
+//! Settings: PEER_AXUM_BIN (.local/peers/target/release/peer-axum-idempotent), PEER_OUTBOX_DIR
+//! (.local/peers/outbox), IDEM_BIN, DATABASE_URL, KAFKA_BROKERS, BENCH_PEER_PARTS (http,guarantees,outbox).
+
+#![allow(clippy::print_stdout, clippy::unwrap_used, clippy::disallowed_methods)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::load::{Target, phase_on};
+use common::{Service, Summary, charge_body, env_or, fresh_database, start_process, start_service};
+use uuid::Uuid;
+
+const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+
+/// The two services under test, started on fresh databases.
+struct Pair {
+    idem: Service,
+    peer: Service,
+    idem_db: String,
+    peer_db: String,
+    peer_target: Target,
+}
+
+async fn migrated(admin: &str, name: &str) -> anyhow::Result<String> {
+    let db = fresh_database(admin, name).await?;
+    let store = idem_postgres::PgStore::connect(&db, &idem_postgres::PoolSettings::default()).await?;
+    store.migrate_reference().await?;
+    store.close().await;
+    Ok(db)
+}
+
+/// Opens `n` sessions on the peer and returns their cookies (`session=…`).
+async fn sessions(base: &str, n: usize) -> anyhow::Result<Vec<String>> {
+    let client = reqwest::Client::new();
+    let mut cookies = Vec::new();
+    for _ in 0..n {
+        let r = client.post(format!("{base}/session")).send().await?;
+        let cookie = r
+            .headers()
+            .get(reqwest::header::SET_COOKIE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split(';').next())
+            .ok_or_else(|| anyhow::anyhow!("the peer set no session cookie"))?;
+        cookies.push(cookie.to_owned());
+    }
+    Ok(cookies)
+}
+
+async fn start_pair(admin: &str, tag: &str) -> anyhow::Result<Pair> {
+    let idem_bin = std::env::var("IDEM_BIN").unwrap_or_else(|_| format!("{ROOT}/target/release/idem"));
+    let peer_bin = std::env::var("PEER_AXUM_BIN")
+        .unwrap_or_else(|_| format!("{ROOT}/.local/peers/target/release/peer-axum-idempotent"));
+    let idem_db = migrated(admin, &format!("idem_bench_peers_idem_{tag}")).await?;
+    let peer_db = migrated(admin, &format!("idem_bench_peers_axum_{tag}")).await?;
+    let idem = start_service(&idem_bin, &idem_db, 18100, "on").await?;
+    let peer = start_process(&peer_bin, 18102, &[("DATABASE_URL", &peer_db), ("PORT", "18102")]).await?;
+    let peer_target = Target { addr: "127.0.0.1:18102".into(), bearer: None, cookies: sessions(&peer.base, 1).await? };
+    Ok(Pair { idem, peer, idem_db, peer_db, peer_target })
+}
+
+/// Slices of one side summed: latencies, time, per-slice rates, CPU of the service and PostgreSQL.
+#[derive(Default)]
+struct Side {
+    latencies: Vec<Duration>,
+    errors: usize,
+    elapsed: Duration,
+    rates: Vec<f64>,
+    service_ms: f64,
+    postgres_ms: f64,
+    sent: Vec<(String, String)>,
+}
+
+impl Side {
+    fn summary(&self, name: &str) -> Summary {
+        Summary::from_latencies(name, self.latencies.clone(), self.errors, self.elapsed)
+    }
+
+    fn per_op(&self, ms: f64) -> f64 {
+        ms / self.latencies.len().max(1) as f64
+    }
+}
+
+/// One measured slice of `make` against `target`, served by `svc`, added to `side`.
+async fn slice<F>(svc: &Service, target: &Target, clients: usize, seconds: u64, side: &mut Side, make: F)
+where
+    F: Fn(usize, usize) -> (String, String) + 'static,
+{
+    let (svc0, pg0) = (svc.cpu_seconds().unwrap_or(0.0), common::cpu_seconds_of("postgres"));
+    let s = phase_on(target, clients, Duration::from_secs(seconds), make).await;
+    side.service_ms += (svc.cpu_seconds().unwrap_or(0.0) - svc0) * 1000.0;
+    side.postgres_ms += (common::cpu_seconds_of("postgres") - pg0) * 1000.0;
+    side.rates.push(s.latencies.len() as f64 / s.elapsed.as_secs_f64().max(1e-9));
+    side.latencies.extend(s.latencies);
+    side.errors += s.errors;
+    side.elapsed += s.elapsed;
+    side.sent.extend(s.sent);
+}
+
+fn rates(r: &[f64]) -> String {
+    r.iter().map(|v| format!("{v:.0}")).collect::<Vec<_>>().join(" / ")
+}
+
+/// Fresh charges and replays, idem and the peer in interleaved slices, at `clients` clients.
+async fn http(admin: &str, clients: usize) -> anyhow::Result<()> {
+    let seconds: u64 = env_or("BENCH_SECONDS", 5);
+    let rounds: usize = env_or("BENCH_ROUNDS", 4usize).max(1);
+    let pair = start_pair(admin, &clients.to_string()).await?;
+    let idem_target = Target::idem(&pair.idem.base);
+    let fresh = |_: usize, _: usize| (Uuid::new_v4().to_string(), charge_body());
+    // warm-up of both (connections, caches)
+    let _ = phase_on(&idem_target, clients, Duration::from_secs(2), fresh).await;
+    let _ = phase_on(&pair.peer_target, clients, Duration::from_secs(2), fresh).await;
+    let (mut idem_first, mut peer_first) = (Side::default(), Side::default());
+    for _ in 0..rounds {
+        slice(&pair.idem, &idem_target, clients, seconds, &mut idem_first, fresh).await;
+        slice(&pair.peer, &pair.peer_target, clients, seconds, &mut peer_first, fresh).await;
+    }
+    // Replays of stored keys (every client of the peer shares one session, as every client of idem shares
+    // one API key: any client may replay any key).
+    let (idem_sent, peer_sent) = (Arc::new(idem_first.sent.clone()), Arc::new(peer_first.sent.clone()));
+    let (mut idem_replay, mut peer_replay) = (Side::default(), Side::default());
+    for _ in 0..rounds {
+        let pick = idem_sent.clone();
+        slice(&pair.idem, &idem_target, clients, seconds, &mut idem_replay, move |w, i| {
+            pick[(w * 7919 + i) % pick.len()].clone()
+        })
+        .await;
+        let pick = peer_sent.clone();
+        slice(&pair.peer, &pair.peer_target, clients, seconds, &mut peer_replay, move |w, i| {
+            pick[(w * 7919 + i) % pick.len()].clone()
+        })
+        .await;
+    }
+    println!();
+    println!("HTTP, {clients} clients, {rounds} interleaved slices of {seconds} s per phase:");
+    println!(
+        "{:<40} {:>10} {:>8} {:>10} {:>9} {:>9} {:>14} {:>14}",
+        "phase", "ops", "errors", "ops/s", "p50 ms", "p99 ms", "service CPU ms", "PostgreSQL ms"
+    );
+    for (name, side) in [
+        ("idem: new charges", &idem_first),
+        ("axum-idempotent: new charges", &peer_first),
+        ("idem: replays", &idem_replay),
+        ("axum-idempotent: replays", &peer_replay),
+    ] {
+        let s = side.summary(name);
+        println!(
+            "{:<40} {:>10} {:>8} {:>10.0} {:>9.2} {:>9.2} {:>14.3} {:>14.3}",
+            name,
+            s.ops,
+            s.errors,
+            s.rate(),
+            s.p50.as_secs_f64() * 1e3,
+            s.p99.as_secs_f64() * 1e3,
+            side.per_op(side.service_ms),
+            side.per_op(side.postgres_ms)
+        );
+    }
+    println!("slices (ops/s): idem new {} | peer new {}", rates(&idem_first.rates), rates(&peer_first.rates));
+    println!("slices (ops/s): idem replay {} | peer replay {}", rates(&idem_replay.rates), rates(&peer_replay.rates));
+    let ratio = |a: &Side, b: &Side| a.summary("").rate() / b.summary("").rate().max(1e-9);
+    let cpu = |a: &Side| a.per_op(a.service_ms + a.postgres_ms);
+    println!(
+        "idem / axum-idempotent at {clients} clients: new charges {:.2}x, replays {:.2}x (target >= 1); \
+         CPU (service + PostgreSQL) per new charge {:.3} vs {:.3} ms, per replay {:.3} vs {:.3} ms",
+        ratio(&idem_first, &peer_first),
+        ratio(&idem_replay, &peer_replay),
+        cpu(&idem_first),
+        cpu(&peer_first),
+        cpu(&idem_replay),
+        cpu(&peer_replay)
+    );
+    println!("(idem publishes every charge through its relay to the broker meanwhile; the peer publishes nothing)");
+    let _ = (&pair.idem_db, &pair.peer_db);
+    Ok(())
+}
+
+/// One request's answer: status and body.
+async fn send(client: &reqwest::Client, base: &str, target: &Target, key: &str, body: &str) -> (u16, String) {
+    let mut req = client
+        .post(format!("{base}/payments"))
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(body.to_owned());
+    if let Some(b) = &target.bearer {
+        req = req.bearer_auth(b);
+    }
+    if let Some(c) = target.cookies.first() {
+        req = req.header("cookie", c);
+    }
+    match req.send().await {
+        Ok(r) => {
+            let status = r.status().as_u16();
+            (status, r.text().await.unwrap_or_default())
+        }
+        Err(e) => (0, e.to_string()),
+    }
+}
+
+/// How an answer reads to the client.
+fn class(status: u16, body: &str) -> &'static str {
+    match status {
+        _ if body.contains("idempotency-key-reused") => "refused: key reused with another request",
+        201 => "201 charged",
+        409 if body.contains("request-in-flight") => "409 in flight, retry later",
+        409 if body.contains("payment-conflict") || body.contains("payment exists") => {
+            "409 ran again, stopped by UNIQUE"
+        }
+        0 => "no answer",
+        _ => "other",
+    }
+}
+
+async fn payments_with(db: &str, external_ids: &[String]) -> anyhow::Result<HashMap<String, i64>> {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(db).await?;
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT external_payment_id, count(*) FROM payment WHERE external_payment_id = ANY($1) GROUP BY 1",
+    )
+    .bind(external_ids)
+    .fetch_all(&mut conn)
+    .await?;
+    conn.close().await?;
+    Ok(rows.into_iter().collect())
+}
+
+fn external_id(body: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v["external_payment_id"].as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+fn tally(answers: &[(u16, String)]) -> String {
+    let mut counts: Vec<(&str, usize)> = Vec::new();
+    for (s, b) in answers {
+        let c = class(*s, b);
+        match counts.iter_mut().find(|(k, _)| *k == c) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((c, 1)),
+        }
+    }
+    counts.iter().map(|(k, n)| format!("{n} × {k}")).collect::<Vec<_>>().join(", ")
+}
+
+/// The guarantees, shown by what each service does (effects counted in its database).
+async fn guarantees(admin: &str) -> anyhow::Result<()> {
+    let mut pair = start_pair(admin, "guarantees").await?;
+    let client = reqwest::Client::new();
+    let idem_target = Target::idem(&pair.idem.base);
+    println!();
+    println!("Guarantees (each shown against both services; payments counted in their databases):");
+
+    // 1. The same key with another request.
+    for (name, base, target, db) in [
+        ("idem", pair.idem.base.clone(), idem_target.clone(), pair.idem_db.clone()),
+        ("axum-idempotent", pair.peer.base.clone(), pair.peer_target.clone(), pair.peer_db.clone()),
+    ] {
+        let key = Uuid::new_v4().to_string();
+        let (a, b) = (charge_body(), charge_body());
+        let first = send(&client, &base, &target, &key, &a).await;
+        let second = send(&client, &base, &target, &key, &b).await;
+        let made = payments_with(&db, &[external_id(&b)]).await?;
+        let replayed_first = second.0 == 201 && second.1 == first.1;
+        println!(
+            "  same key, another body [{name}]: second answered {} ({}); its payment made: {}; client told it \
+             was charged with the first request's payment: {}",
+            second.0,
+            class(second.0, &second.1),
+            made.values().sum::<i64>(),
+            if replayed_first { "YES (silently wrong)" } else { "no" }
+        );
+    }
+
+    // 2. Concurrent duplicates: the same request sent by 8 connections at once, for 20 keys.
+    for (name, base, target, db) in [
+        ("idem", pair.idem.base.clone(), idem_target.clone(), pair.idem_db.clone()),
+        ("axum-idempotent", pair.peer.base.clone(), pair.peer_target.clone(), pair.peer_db.clone()),
+    ] {
+        let mut answers = Vec::new();
+        let mut ids = Vec::new();
+        for _ in 0..20 {
+            let (key, body) = (Uuid::new_v4().to_string(), charge_body());
+            ids.push(external_id(&body));
+            let sends = (0..8).map(|_| {
+                let (c, base, target, key, body) =
+                    (reqwest::Client::new(), base.clone(), target.clone(), key.clone(), body.clone());
+                async move { send(&c, &base, &target, &key, &body).await }
+            });
+            answers.extend(futures::future::join_all(sends).await);
+        }
+        let made = payments_with(&db, &ids).await?;
+        println!(
+            "  8 concurrent duplicates × 20 keys [{name}]: payments {} (max per key {}); answers: {}",
+            made.values().sum::<i64>(),
+            made.values().max().copied().unwrap_or(0),
+            tally(&answers)
+        );
+    }
+
+    // 3. A crash between effect and record: 16 clients charge, the process is SIGKILLed after 1.5 s,
+    // restarted, and every request sent is retried once with its key.
+    for which in ["idem", "axum-idempotent"] {
+        let (svc, target, db) = match which {
+            "idem" => (&mut pair.idem, idem_target.clone(), pair.idem_db.clone()),
+            _ => (&mut pair.peer, pair.peer_target.clone(), pair.peer_db.clone()),
+        };
+        let base = svc.base.clone();
+        let sent = Arc::new(std::sync::Mutex::new(Vec::<(String, String)>::new()));
+        let stop = Instant::now() + Duration::from_secs(30);
+        let mut tasks = Vec::new();
+        for _ in 0..16 {
+            let (base, target, sent) = (base.clone(), target.clone(), sent.clone());
+            tasks.push(tokio::spawn(async move {
+                let c = reqwest::Client::new();
+                while Instant::now() < stop {
+                    let (key, body) = (Uuid::new_v4().to_string(), charge_body());
+                    sent.lock().unwrap().push((key.clone(), body.clone()));
+                    if send(&c, &base, &target, &key, &body).await.0 == 0 {
+                        break;
+                    }
+                }
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        svc.crash();
+        for t in tasks {
+            let _ = t.await;
+        }
+        let restarted = match which {
+            "idem" => {
+                let bin = std::env::var("IDEM_BIN").unwrap_or_else(|_| format!("{ROOT}/target/release/idem"));
+                start_service(&bin, &db, 18100, "on").await?
+            }
+            _ => {
+                let bin = std::env::var("PEER_AXUM_BIN")
+                    .unwrap_or_else(|_| format!("{ROOT}/.local/peers/target/release/peer-axum-idempotent"));
+                start_process(&bin, 18102, &[("DATABASE_URL", &db), ("PORT", "18102")]).await?
+            }
+        };
+        *svc = restarted;
+        let sent = sent.lock().unwrap().clone();
+        let mut answers = Vec::new();
+        for (key, body) in &sent {
+            answers.push(send(&client, &base, &target, key, body).await);
+        }
+        let ids: Vec<String> = sent.iter().map(|(_, b)| external_id(b)).collect();
+        let made = payments_with(&db, &ids).await?;
+        println!(
+            "  SIGKILL under load, then every request retried [{which}]: {} requests, payments {} (max per key {}); \
+             retries answered: {}",
+            sent.len(),
+            made.values().sum::<i64>(),
+            made.values().max().copied().unwrap_or(0),
+            tally(&answers)
+        );
+    }
+    Ok(())
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    let Some((admin, brokers)) = common::bench_env() else { return Ok(()) };
+    let parts = std::env::var("BENCH_PEER_PARTS").unwrap_or_else(|_| "http,guarantees,outbox".into());
+    let wanted = |p: &str| parts.split(',').any(|x| x.trim() == p);
+    println!("idem side by side with its peers (one run, same PostgreSQL and broker, fresh databases)");
+    if wanted("http") {
+        for clients in std::env::var("BENCH_PEER_CLIENTS").unwrap_or_else(|_| "8 64".into()).split_whitespace() {
+            http(&admin, clients.parse()?).await?;
+        }
+    }
+    if wanted("guarantees") {
+        guarantees(&admin).await?;
+    }
+    if wanted("outbox") {
+        outbox::run(&admin, &brokers).await?;
+    }
+    Ok(())
+}
+
+/// Outbox relays side by side: idem's relay (in this process) and pg-transactional-outbox's polling
+/// listener publishing through kafkajs (a Node.js child), each from its own fresh database to its own topic
+/// on the same broker. Throughput: BENCH_OUTBOX_ROWS (10000) stored messages over 1,000 keys drained;
+/// CPU of the relay's process and of PostgreSQL per message. Latency: BENCH_RATE (500) messages/s offered
+/// for BENCH_SECONDS (5) by 4 writers, one business transaction each; commit-to-publish p50/p99.
+mod outbox {
+    use std::time::Instant;
+
+    use idem_postgres::PgOutboxWakeup;
+    use idem_tests::kafka::{create_topic, unique_topic};
+
+    use super::common::relay::{fill, latency, start_relay, unpublished};
+    use super::common::{self, env_or, fresh_database, fresh_store};
+
+    /// Runs the peer's script; returns its JSON answer and the CPU seconds its process used.
+    fn node(dir: &str, env: &[(&str, &str)], args: &[&str]) -> anyhow::Result<(serde_json::Value, f64)> {
+        let before = common::children_cpu_seconds();
+        let out = std::process::Command::new("node")
+            .arg(format!("{dir}/bench.cjs"))
+            .args(args)
+            .current_dir(dir)
+            .envs(env.iter().copied())
+            .output()?;
+        let cpu = common::children_cpu_seconds() - before;
+        anyhow::ensure!(out.status.success(), "peer {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+        let line = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().to_owned();
+        Ok((serde_json::from_str(&line)?, cpu))
+    }
+
+    pub async fn run(admin: &str, brokers: &str) -> anyhow::Result<()> {
+        let rows: i64 = env_or("BENCH_OUTBOX_ROWS", 10_000);
+        let rate: u64 = env_or("BENCH_RATE", 500);
+        let seconds: u64 = env_or("BENCH_SECONDS", 5);
+        let batch: i64 = 2000;
+        let dir = std::env::var("PEER_OUTBOX_DIR").unwrap_or_else(|_| format!("{}/.local/peers/outbox", super::ROOT));
+
+        // idem: a backlog drained by its relay
+        let store = fresh_store(admin, "idem_bench_peers_relay").await?;
+        let topic = unique_topic("peers-idem");
+        create_topic(brokers, &topic, 6).await?;
+        fill(&store, &topic, rows).await?;
+        sqlx::query("VACUUM ANALYZE outbox_message").execute(store.pool()).await?;
+        let (me, pg) =
+            (common::process_cpu_seconds(std::process::id()).unwrap_or(0.0), common::cpu_seconds_of("postgres"));
+        let (stop, task, stats) = start_relay(&store, brokers, batch, PgOutboxWakeup::connect(&store).await?);
+        let start = Instant::now();
+        while stats.published.get() < rows as u64 {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let idem_secs = start.elapsed().as_secs_f64();
+        let idem_cpu = common::process_cpu_seconds(std::process::id()).unwrap_or(0.0) - me;
+        let idem_pg = common::cpu_seconds_of("postgres") - pg;
+        stop.cancel();
+        task.await?;
+        anyhow::ensure!(unpublished(&store).await? == 0, "idem's relay left rows");
+        let (idem_lat, idem_written) = latency(&store, brokers, &topic, rate, seconds, batch).await?;
+
+        // the peer: the same backlog in its table, drained by its listener
+        let db = fresh_database(admin, "idem_bench_peers_outbox").await?;
+        let topic = unique_topic("peers-pgto");
+        create_topic(brokers, &topic, 6).await?;
+        let env = [("DATABASE_URL", db.as_str()), ("KAFKA_BROKERS", brokers), ("TOPIC", topic.as_str())];
+        node(&dir, &env, &["setup"])?;
+        {
+            use sqlx::Connection;
+            let mut conn = sqlx::PgConnection::connect(&db).await?;
+            sqlx::query(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, message_type, segment, payload, created_at)
+                 SELECT gen_random_uuid(), 'payment', 'order-' || (g % 1000), 'PaymentCaptured',
+                        'order-' || (g % 1000), $1::jsonb, clock_timestamp()
+                 FROM generate_series(1, $2) AS g",
+            )
+            .bind(super::common::relay::PAYLOAD)
+            .bind(rows)
+            .execute(&mut conn)
+            .await?;
+            sqlx::query("VACUUM ANALYZE outbox").execute(&mut conn).await?;
+            conn.close().await?;
+        }
+        let pg = common::cpu_seconds_of("postgres");
+        let (drained, peer_cpu) = node(&dir, &env, &["drain", &rows.to_string()])?;
+        let peer_pg = common::cpu_seconds_of("postgres") - pg;
+        let peer_secs = drained["seconds"].as_f64().unwrap_or(f64::NAN);
+        let (lat, _) = node(&dir, &env, &["latency", &rate.to_string(), &seconds.to_string()])?;
+
+        let per = |cpu: f64| cpu * 1000.0 / rows as f64;
+        println!();
+        println!(
+            "Outbox relay, {rows} stored messages over 1,000 keys, 6 partitions, acks=all (idem: idempotent producer; peer: see peers/pg-transactional-outbox/bench.cjs):"
+        );
+        println!(
+            "{:<34} {:>10} {:>16} {:>16} {:>10} {:>10}",
+            "relay", "msg/s", "relay CPU ms/msg", "PostgreSQL ms/msg", "p50 ms", "p99 ms"
+        );
+        println!(
+            "{:<34} {:>10.0} {:>16.3} {:>16.3} {:>10.1} {:>10.1}",
+            "idem relay",
+            rows as f64 / idem_secs,
+            per(idem_cpu),
+            per(idem_pg),
+            idem_lat.p50.as_secs_f64() * 1e3,
+            idem_lat.p99.as_secs_f64() * 1e3
+        );
+        println!(
+            "{:<34} {:>10.0} {:>16.3} {:>16.3} {:>10.1} {:>10.1}",
+            "pg-transactional-outbox (polling)",
+            rows as f64 / peer_secs,
+            per(peer_cpu),
+            per(peer_pg),
+            lat["p50_ms"].as_f64().unwrap_or(f64::NAN),
+            lat["p99_ms"].as_f64().unwrap_or(f64::NAN)
+        );
+        println!(
+            "latency at {rate} msg/s offered for {seconds} s: idem {idem_written} written, peer {} written / {} published",
+            lat["written"], lat["published"]
+        );
+        println!(
+            "idem / pg-transactional-outbox: throughput {:.2}x, CPU (relay + PostgreSQL) per message {:.3} vs {:.3} ms",
+            peer_secs / idem_secs,
+            per(idem_cpu + idem_pg),
+            per(peer_cpu + peer_pg)
+        );
+        Ok(())
+    }
+}
