@@ -1,7 +1,8 @@
 // The outbox peer of `scripts/bench.sh peers` (tests/benches/peers.rs drives it):
 //   node bench.cjs setup             creates pg-transactional-outbox's table, polling function and indexes
-//   node bench.cjs drain N           starts the polling listener and exits once N stored messages were
-//                                    published (the harness filled the table); prints {"seconds": …}
+//   node bench.cjs drain N           starts the polling listener and exits once the N stored messages (the
+//                                    harness filled the table) were published or abandoned; prints
+//                                    {"published", "abandoned", "seconds", "failures": {error: attempts}}
 //   node bench.cjs latency RATE SECS writes one business row + its outbox message per transaction at RATE/s
 //                                    for SECS while the listener publishes; prints commit-to-publish p50/p99
 // Publishing: kafkajs, acks=all, one request in flight, key = aggregate id; idempotent only with
@@ -49,6 +50,9 @@ async function producer() {
   return p;
 }
 
+// Failed publish attempts by error message (the library retries a message up to 5 times, then abandons it).
+const failures = {};
+
 // Starts the listener; `onPublished(message)` after the broker acknowledged each message.
 async function listen(onPublished) {
   const p = await producer();
@@ -57,6 +61,10 @@ async function listen(onPublished) {
     handle: async (message) => {
       await p.send({ topic, acks: -1, messages: [{ key: message.aggregateId, value: JSON.stringify(message.payload) }] });
       onPublished(message);
+    },
+    handleError: async (error) => {
+      const key = String(error && (error.innerError || error).message).slice(0, 120);
+      failures[key] = (failures[key] || 0) + 1;
     },
   };
   const [shutdown] = initializePollingMessageListener(listenerConfig(), handler, logger);
@@ -78,16 +86,19 @@ async function main() {
     await pool.end();
     console.log(JSON.stringify({ ok: true }));
   } else if (mode === 'drain') {
+    // done when every stored message was published or abandoned by the library
     const n = Number(a);
     let published = 0;
-    let done;
-    const all = new Promise((resolve) => { done = resolve; });
     const start = process.hrtime.bigint();
-    const stop = await listen(() => { published += 1; if (published === n) done(); });
-    await all;
+    const stop = await listen(() => { published += 1; });
+    const pool = new Pool({ ...dbConfig, max: 1 });
+    const open = 'SELECT count(*)::int AS n FROM outbox WHERE processed_at IS NULL AND abandoned_at IS NULL';
+    while (published < n && (await pool.query(open)).rows[0].n > 0) await new Promise((r) => setTimeout(r, 100));
     const seconds = Number(process.hrtime.bigint() - start) / 1e9;
+    const abandoned = (await pool.query('SELECT count(*)::int AS n FROM outbox WHERE abandoned_at IS NOT NULL')).rows[0].n;
     await stop();
-    console.log(JSON.stringify({ published, seconds }));
+    await pool.end();
+    console.log(JSON.stringify({ published, abandoned, seconds, failures }));
   } else if (mode === 'latency') {
     const rate = Number(a);
     const secs = Number(b);
@@ -133,7 +144,9 @@ async function main() {
     await stop();
     await pool.end();
     latencies.sort((x, y) => x - y);
-    console.log(JSON.stringify({ written, published: latencies.length, p50_ms: pct(latencies, 0.5), p99_ms: pct(latencies, 0.99) }));
+    console.log(JSON.stringify({
+      written, published: latencies.length, p50_ms: pct(latencies, 0.5), p99_ms: pct(latencies, 0.99), failures,
+    }));
   } else {
     throw new Error(`unknown mode ${mode}`);
   }

@@ -11,7 +11,7 @@
 //!
 //! Run with `scripts/bench.sh http` (builds the release binary and starts the services). Settings:
 //! BENCH_CONCURRENCY (8), BENCH_SECONDS (5, per slice), BENCH_ROUNDS (6), BENCH_PHASES (on,replay,off,idle;
-//! also pgbouncer, nofast), IDEM_BIN (target/release/idem), DATABASE_URL. At size (`scripts/bench.sh scale`):
+//! also pgbouncer, nofast, cleanup), IDEM_BIN (target/release/idem), DATABASE_URL. At size (`scripts/bench.sh scale`):
 //! BENCH_PREFILL_ROWS (0) completed idempotency records written into the service's and the ceiling's tables
 //! first, spread over the 48 h retention, and BENCH_KEYS (v7, or v4: random keys as most clients send).
 
@@ -30,7 +30,7 @@ use uuid::Uuid;
 /// Counters read around a phase: relay claims, relay rounds, committed + rolled-back transactions of the
 /// benchmark database, then CPU milliseconds of the service, the broker (tansu), PostgreSQL (all
 /// processes) and this load generator (`None` where a binary does not expose a counter).
-async fn work(svc: &common::Service, db: &str) -> anyhow::Result<[Option<f64>; 7]> {
+async fn work(svc: &common::Service, db: &str) -> anyhow::Result<[Option<f64>; 11]> {
     use sqlx::Connection;
     let mut conn = sqlx::PgConnection::connect(db).await?;
     // statistics of other backends reach the shared counters within a second
@@ -40,6 +40,7 @@ async fn work(svc: &common::Service, db: &str) -> anyhow::Result<[Option<f64>; 7
     )
     .fetch_one(&mut conn)
     .await?;
+    let [read, hit, wal, written] = io(&mut conn).await?;
     conn.close().await?;
     let ms = |s: f64| Some(s * 1000.0);
     Ok([
@@ -50,7 +51,27 @@ async fn work(svc: &common::Service, db: &str) -> anyhow::Result<[Option<f64>; 7
         ms(common::cpu_seconds_of("tansu")),
         ms(common::cpu_seconds_of("postgres")),
         common::process_cpu_seconds(std::process::id()).map(|s| s * 1000.0),
+        Some(read),
+        Some(hit),
+        Some(wal),
+        Some(written),
     ])
+}
+
+/// PostgreSQL's I/O counters: blocks of this database read from outside shared buffers and found in them,
+/// and, cluster-wide, WAL bytes written and buffers written out (checkpointer, background writer and
+/// backends).
+async fn io(conn: &mut sqlx::PgConnection) -> anyhow::Result<[f64; 4]> {
+    let (read, hit): (i64, i64) =
+        sqlx::query_as("SELECT blks_read, blks_hit FROM pg_stat_database WHERE datname = current_database()")
+            .fetch_one(&mut *conn)
+            .await?;
+    let wal: f64 = sqlx::query_scalar("SELECT wal_bytes::float8 FROM pg_stat_wal").fetch_one(&mut *conn).await?;
+    let written: i64 =
+        sqlx::query_scalar("SELECT buffers_checkpoint + buffers_clean + buffers_backend FROM pg_stat_bgwriter")
+            .fetch_one(&mut *conn)
+            .await?;
+    Ok([read as f64, hit as f64, wal, written as f64])
 }
 
 /// Two seconds of charges before a measured slice.
@@ -67,6 +88,12 @@ fn new_key() -> String {
 /// Writes `rows` completed idempotency records of `scope` into `db`, spread over the 48 h retention (keys
 /// like BENCH_KEYS), vacuums and analyzes; returns the table's and its indexes' sizes in bytes.
 async fn prefill(db: &str, scope: &str, rows: u64) -> anyhow::Result<(i64, i64)> {
+    prefill_aged(db, scope, rows, 0, (0, 47)).await
+}
+
+/// [`prefill`] with the rows numbered from `first + 1` and created between `hours.0` and `hours.1` hours
+/// ago (each expires 48 h after its creation: created more than 48 h ago, it has expired).
+async fn prefill_aged(db: &str, scope: &str, rows: u64, first: u64, hours: (u32, u32)) -> anyhow::Result<(i64, i64)> {
     use sqlx::Connection;
     let mut conn = sqlx::PgConnection::connect(db).await?;
     let v4 = std::env::var("BENCH_KEYS").is_ok_and(|k| k == "v4");
@@ -86,10 +113,12 @@ async fn prefill(db: &str, scope: &str, rows: u64) -> anyhow::Result<(i64, i64)>
              SELECT '{scope}', {key}, sha256(i::text::bytea), 'completed', 201,
                     '[[\"content-type\",\"application/json\"]]', convert_to(repeat('x', 80), 'UTF8'), t,
                     t + interval '48 hours'
-             FROM (SELECT i, now() - random() * interval '47 hours' AS t
+             FROM (SELECT i, now() - interval '{min} hours' - random() * interval '{span} hours' AS t
                    FROM generate_series({from}::bigint, {to}::bigint) i) s",
-            from = done + 1,
-            to = done + n,
+            from = first + done + 1,
+            to = first + done + n,
+            min = hours.0,
+            span = hours.1 - hours.0,
         );
         sqlx::raw_sql(&sql).execute(&mut conn).await?;
         done += n;
@@ -113,7 +142,7 @@ struct Measured {
     elapsed: Duration,
     sent: Vec<(String, String)>,
     rates: Vec<f64>,
-    work: [Option<f64>; 7],
+    work: [Option<f64>; 11],
 }
 
 impl Default for Measured {
@@ -124,7 +153,7 @@ impl Default for Measured {
             elapsed: Duration::ZERO,
             sent: Vec::new(),
             rates: Vec::new(),
-            work: [Some(0.0); 7],
+            work: [Some(0.0); 11],
         }
     }
 }
@@ -138,7 +167,7 @@ impl Measured {
         self.sent.extend(slice.sent);
     }
 
-    fn add_work(&mut self, before: [Option<f64>; 7], after: [Option<f64>; 7]) {
+    fn add_work(&mut self, before: [Option<f64>; 11], after: [Option<f64>; 11]) {
         for (i, sum) in self.work.iter_mut().enumerate() {
             *sum = match (*sum, before[i], after[i]) {
                 (Some(s), Some(b), Some(a)) => Some(s + a - b),
@@ -169,15 +198,22 @@ impl Measured {
             per(5),
             per(6)
         );
+        println!(
+            "I/O per charge ({name}): blocks read {}, blocks hit {}, WAL bytes {}, buffers written {}",
+            per(7),
+            per(8),
+            per(9),
+            per(10)
+        );
     }
 }
 
 /// One warmed-up slice of new charges, added to `into` with its counters.
 async fn charges_slice(svc: &common::Service, db: &str, concurrency: usize, duration: Duration, into: &mut Measured) {
     warm_up(svc, concurrency).await;
-    let before = work(svc, db).await.unwrap_or([None; 7]);
+    let before = work(svc, db).await.unwrap_or([None; 11]);
     let slice = phase(&svc.base, concurrency, duration, |_, _| (new_key(), charge_body())).await;
-    let after = work(svc, db).await.unwrap_or([None; 7]);
+    let after = work(svc, db).await.unwrap_or([None; 11]);
     into.add(slice);
     into.add_work(before, after);
 }
@@ -190,6 +226,8 @@ struct Ceiling {
     rates: Vec<f64>,
     postgres_ms: f64,
     pgbench_ms: f64,
+    /// Deltas of [`io`] summed over the slices.
+    io: [f64; 4],
 }
 
 impl Ceiling {
@@ -197,6 +235,8 @@ impl Ceiling {
     /// outbox small), outside the measured time.
     async fn slice(&mut self, db: &str, script: &str, concurrency: usize, seconds: u64) -> anyhow::Result<()> {
         use sqlx::Connection;
+        let mut conn = sqlx::PgConnection::connect(db).await?;
+        let before = io(&mut conn).await?;
         let (pg, children) = (common::cpu_seconds_of("postgres"), common::children_cpu_seconds());
         let tps = pgbench(db, script, concurrency, seconds)?;
         self.postgres_ms += (common::cpu_seconds_of("postgres") - pg) * 1000.0;
@@ -204,7 +244,12 @@ impl Ceiling {
         self.transactions += tps * seconds as f64;
         self.seconds += seconds as f64;
         self.rates.push(tps);
-        let mut conn = sqlx::PgConnection::connect(db).await?;
+        // statistics of other backends reach the shared counters within a second
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let after = io(&mut conn).await?;
+        for (sum, (b, a)) in self.io.iter_mut().zip(before.iter().zip(after)) {
+            *sum += a - b;
+        }
         sqlx::query("TRUNCATE outbox_message").execute(&mut conn).await?;
         conn.close().await?;
         Ok(())
@@ -217,6 +262,38 @@ impl Ceiling {
 
 fn rates(r: &[f64]) -> String {
     r.iter().map(|v| format!("{v:.0}")).collect::<Vec<_>>().join(" / ")
+}
+
+/// Adds `rows / 2` expired records to `db`, measures two slices of charges, then slices while
+/// `idem cleanup --once` runs until it exits. Returns the charges without and with cleanup, the rows it
+/// deleted and how long it took.
+async fn cleanup_during_traffic(
+    svc: &common::Service,
+    db: &str,
+    bin: &str,
+    concurrency: usize,
+    duration: Duration,
+    rows: u64,
+) -> anyhow::Result<(Summary, Summary, u64, Duration)> {
+    let expired = rows / 2;
+    prefill_aged(db, "bench", expired, rows, (49, 72)).await?;
+    let (mut without, mut with) = (Measured::default(), Measured::default());
+    for _ in 0..2 {
+        charges_slice(svc, db, concurrency, duration, &mut without).await;
+    }
+    let started = Instant::now();
+    let mut child = std::process::Command::new(bin)
+        .args(["cleanup", "--once", "--database-url", db])
+        .env("RUST_LOG", "warn")
+        .spawn()?;
+    // its end is noted as it happens, not when the slice running then ends
+    let waiter = std::thread::spawn(move || (child.wait().is_ok_and(|s| s.success()), started.elapsed()));
+    while !waiter.is_finished() {
+        charges_slice(svc, db, concurrency, duration, &mut with).await;
+    }
+    let (ok, took) = waiter.join().map_err(|_| anyhow::anyhow!("the cleanup waiter panicked"))?;
+    anyhow::ensure!(ok, "idem cleanup --once failed");
+    Ok((without.summary("charge, no cleanup running"), with.summary("charge while cleanup deletes"), expired, took))
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -332,6 +409,15 @@ async fn main() -> anyhow::Result<()> {
         }
         _ => None,
     };
+    // At size (BENCH_PHASES with `cleanup`): a day's worth of expired records (half the prefill, created
+    // 48.5–72 h ago) is added, then charges run in slices before and while `idem cleanup --once` deletes
+    // them in its batches.
+    let cleanup = match &on_svc {
+        Some(svc) if wanted("cleanup") && prefill_rows > 0 => {
+            Some(cleanup_during_traffic(svc, db, &bin, concurrency, duration, prefill_rows).await?)
+        }
+        _ => None,
+    };
     drop(on_svc);
     let nofast_replays = match &nofast_svc {
         Some(svc) => {
@@ -379,6 +465,13 @@ async fn main() -> anyhow::Result<()> {
         per_tx(ceiling.postgres_ms),
         per_tx(ceiling.pgbench_ms)
     );
+    println!(
+        "I/O per transaction (ceiling): blocks read {:.3}, blocks hit {:.3}, WAL bytes {:.3}, buffers written {:.3}",
+        per_tx(ceiling.io[0]),
+        per_tx(ceiling.io[1]),
+        per_tx(ceiling.io[2]),
+        per_tx(ceiling.io[3])
+    );
     if on_summary.is_some() {
         on.print_costs("layer on");
     }
@@ -411,6 +504,16 @@ async fn main() -> anyhow::Result<()> {
     }
     if let (Some(replays), Some(nofast_replays)) = (&replays, &nofast_replays) {
         println!("replays: fast path on / off      = {:.2}", replays.rate() / nofast_replays.rate());
+    }
+    if let Some((without, with, deleted, took)) = &cleanup {
+        print_table(&[without.clone(), with.clone()]);
+        println!(
+            "cleanup during traffic: {deleted} expired rows deleted in {took:.1?} ({:.0} rows/s); charges/s {:.2} and \
+             p99 {:.2}x of the slices without it (target p99 <= 2x)",
+            *deleted as f64 / took.as_secs_f64().max(1e-9),
+            with.rate() / without.rate().max(1e-9),
+            with.p99.as_secs_f64() / without.p99.as_secs_f64().max(1e-9)
+        );
     }
     if let (Some(on), Some(pooled)) = (&on_summary, &pooled_summary) {
         println!("through PgBouncer / direct    = {:.2}  (same run, interleaved slices)", pooled.rate() / on.rate());

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::load::{Target, phase_on};
-use common::{Service, Summary, charge_body, env_or, fresh_database, start_process, start_service};
+use common::{Service, Summary, charge_body, env_or, fresh_database, start_process, start_service_with};
 use uuid::Uuid;
 
 const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
@@ -61,13 +61,15 @@ async fn sessions(base: &str, n: usize) -> anyhow::Result<Vec<String>> {
     Ok(cookies)
 }
 
-async fn start_pair(admin: &str, tag: &str) -> anyhow::Result<Pair> {
+async fn start_pair(admin: &str, tag: &str, clients: usize) -> anyhow::Result<Pair> {
     let idem_bin = std::env::var("IDEM_BIN").unwrap_or_else(|_| format!("{ROOT}/target/release/idem"));
     let peer_bin = std::env::var("PEER_AXUM_BIN")
         .unwrap_or_else(|_| format!("{ROOT}/.local/peers/target/release/peer-axum-idempotent"));
     let idem_db = migrated(admin, &format!("idem_bench_peers_idem_{tag}")).await?;
     let peer_db = migrated(admin, &format!("idem_bench_peers_axum_{tag}")).await?;
-    let idem = start_service(&idem_bin, &idem_db, 18100, "on").await?;
+    // one merchant drives every client: its concurrency limit must not be what is measured
+    let limit = clients.max(16).to_string();
+    let idem = start_service_with(&idem_bin, &idem_db, 18100, "on", &[("MERCHANT_CONCURRENCY", &limit)]).await?;
     let peer = start_process(&peer_bin, 18102, &[("DATABASE_URL", &peer_db), ("PORT", "18102")]).await?;
     let peer_target = Target { addr: "127.0.0.1:18102".into(), bearer: None, cookies: sessions(&peer.base, 1).await? };
     Ok(Pair { idem, peer, idem_db, peer_db, peer_target })
@@ -119,7 +121,7 @@ fn rates(r: &[f64]) -> String {
 async fn http(admin: &str, clients: usize) -> anyhow::Result<()> {
     let seconds: u64 = env_or("BENCH_SECONDS", 5);
     let rounds: usize = env_or("BENCH_ROUNDS", 4usize).max(1);
-    let pair = start_pair(admin, &clients.to_string()).await?;
+    let pair = start_pair(admin, &clients.to_string(), clients).await?;
     let idem_target = Target::idem(&pair.idem.base);
     let fresh = |_: usize, _: usize| (Uuid::new_v4().to_string(), charge_body());
     // warm-up of both (connections, caches)
@@ -260,7 +262,7 @@ fn tally(answers: &[(u16, String)]) -> String {
 
 /// The guarantees, shown by what each service does (effects counted in its database).
 async fn guarantees(admin: &str) -> anyhow::Result<()> {
-    let mut pair = start_pair(admin, "guarantees").await?;
+    let mut pair = start_pair(admin, "guarantees", 16).await?;
     let client = reqwest::Client::new();
     let idem_target = Target::idem(&pair.idem.base);
     println!();
@@ -345,7 +347,7 @@ async fn guarantees(admin: &str) -> anyhow::Result<()> {
         let restarted = match which {
             "idem" => {
                 let bin = std::env::var("IDEM_BIN").unwrap_or_else(|_| format!("{ROOT}/target/release/idem"));
-                start_service(&bin, &db, 18100, "on").await?
+                start_service_with(&bin, &db, 18100, "on", &[("MERCHANT_CONCURRENCY", "16")]).await?
             }
             _ => {
                 let bin = std::env::var("PEER_AXUM_BIN")
@@ -508,6 +510,14 @@ mod outbox {
         println!(
             "latency at {rate} msg/s offered for {seconds} s: idem {idem_written} written, peer {} written / {} published",
             lat["written"], lat["published"]
+        );
+        println!(
+            "peer backlog: {} published, {} abandoned by the library after 5 failed attempts (never published); \
+             failed attempts: {}; idem: {} published, 0 abandoned (a row stays until the broker acknowledges it)",
+            drained["published"],
+            drained["abandoned"],
+            drained["failures"],
+            stats.published.get()
         );
         println!(
             "idem / pg-transactional-outbox: throughput {:.2}x, CPU (relay + PostgreSQL) per message {:.3} vs {:.3} ms",
