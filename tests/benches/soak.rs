@@ -61,12 +61,7 @@ async fn main() -> anyhow::Result<()> {
             (client.clone(), url.clone(), answered.clone(), failed.clone(), latencies.clone(), sent.clone());
         tokio::spawn(async move {
             let t = Instant::now();
-            let ok = client
-                .post(&url)
-                .bearer_auth(API_KEY)
-                .header("idempotency-key", &key)
-                .header("content-type", "application/json")
-                .body(body.clone())
+            let ok = idem_tests::charge_request(&client, &url, API_KEY, &key, &body)
                 .send()
                 .await
                 .is_ok_and(|r| r.status().as_u16() == 201);

@@ -168,6 +168,21 @@ pub fn v7_at(at: chrono::DateTime<chrono::Utc>) -> uuid::Uuid {
 }
 
 /// Replaces the database name in a PostgreSQL URL.
+/// `POST url` as a client sends a charge: bearer `api_key`, `Idempotency-Key: key`, a JSON `body`.
+pub fn charge_request(
+    http: &reqwest::Client,
+    url: &str,
+    api_key: &str,
+    key: &str,
+    body: &str,
+) -> reqwest::RequestBuilder {
+    http.post(url)
+        .bearer_auth(api_key)
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(body.to_owned())
+}
+
 pub fn with_database(url: &str, db: &str) -> String {
     let (base, query) = match url.split_once('?') {
         Some((b, q)) => (b, Some(q)),

@@ -221,14 +221,7 @@ async fn s4_duplicate_storm() -> anyhow::Result<()> {
             // A client retries "come back later" answers — 429 (this merchant has too many requests in
             // progress) — after a pause, with the same key; everything else is its answer.
             for _ in 0..200 {
-                let resp = http
-                    .post(&url)
-                    .bearer_auth(API_KEY)
-                    .header("idempotency-key", &key)
-                    .header("content-type", "application/json")
-                    .body(body.clone())
-                    .send()
-                    .await?;
+                let resp = idem_tests::charge_request(&http, &url, API_KEY, &key, &body).send().await?;
                 let status = resp.status().as_u16();
                 let answer = resp.bytes().await?.to_vec();
                 if status != 429 {
