@@ -34,6 +34,8 @@ async fn main() -> anyhow::Result<()> {
     let client = reqwest::Client::new();
     let url = format!("{}/payments", svc.base);
     let (answered, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    // failures by status or transport error
+    let failures = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::<String, usize>::new()));
     let latencies = Arc::new(std::sync::Mutex::new(Vec::<Duration>::new()));
     let sent = Arc::new(std::sync::Mutex::new(Vec::<(String, String)>::new()));
     let inflight = Arc::new(tokio::sync::Semaphore::new(256));
@@ -57,15 +59,23 @@ async fn main() -> anyhow::Result<()> {
             failed.fetch_add(1, Ordering::Relaxed); // more than 256 in flight: counted as a failure
             continue;
         };
-        let (client, url, ok_count, fail_count, lat, keys) =
-            (client.clone(), url.clone(), answered.clone(), failed.clone(), latencies.clone(), sent.clone());
+        let (client, url, ok_count, fail_count, lat, keys, kinds) = (
+            client.clone(),
+            url.clone(),
+            answered.clone(),
+            failed.clone(),
+            latencies.clone(),
+            sent.clone(),
+            failures.clone(),
+        );
         tokio::spawn(async move {
             let t = Instant::now();
-            let ok = idem_tests::charge_request(&client, &url, API_KEY, &key, &body)
-                .send()
-                .await
-                .is_ok_and(|r| r.status().as_u16() == 201);
-            if ok {
+            let outcome = match idem_tests::charge_request(&client, &url, API_KEY, &key, &body).send().await {
+                Ok(r) => r.status().as_u16().to_string(),
+                Err(e) if e.is_connect() => "connect error".to_owned(),
+                Err(_) => "transport error (connection closed or reset)".to_owned(),
+            };
+            if outcome == "201" {
                 ok_count.fetch_add(1, Ordering::Relaxed);
                 lat.lock().unwrap().push(t.elapsed());
                 let mut keys = keys.lock().unwrap();
@@ -74,6 +84,7 @@ async fn main() -> anyhow::Result<()> {
                 }
             } else {
                 fail_count.fetch_add(1, Ordering::Relaxed);
+                *kinds.lock().unwrap().entry(outcome).or_insert(0usize) += 1;
             }
             drop(permit);
         });
@@ -105,5 +116,6 @@ async fn main() -> anyhow::Result<()> {
         answered.load(Ordering::Relaxed),
         failed.load(Ordering::Relaxed)
     );
+    println!("failures: {:?}", failures.lock().unwrap());
     Ok(())
 }
