@@ -61,16 +61,26 @@ async fn sessions(base: &str, n: usize) -> anyhow::Result<Vec<String>> {
     Ok(cookies)
 }
 
-async fn start_pair(admin: &str, tag: &str, clients: usize) -> anyhow::Result<Pair> {
-    let idem_bin = std::env::var("IDEM_BIN").unwrap_or_else(|_| format!("{ROOT}/target/release/idem"));
-    let peer_bin = std::env::var("PEER_AXUM_BIN")
+/// idem's service on `db`, its merchant limit at `clients` (one merchant drives every client: its limit
+/// must not be what is measured).
+async fn start_idem(db: &str, clients: usize) -> anyhow::Result<Service> {
+    let bin = std::env::var("IDEM_BIN").unwrap_or_else(|_| format!("{ROOT}/target/release/idem"));
+    let limit = clients.max(16).to_string();
+    start_service_with(&bin, db, 18100, "on", &[("MERCHANT_CONCURRENCY", &limit)]).await
+}
+
+/// The axum-idempotent peer on `db`.
+async fn start_peer(db: &str) -> anyhow::Result<Service> {
+    let bin = std::env::var("PEER_AXUM_BIN")
         .unwrap_or_else(|_| format!("{ROOT}/.local/peers/target/release/peer-axum-idempotent"));
+    start_process(&bin, 18102, &[("DATABASE_URL", db), ("PORT", "18102")]).await
+}
+
+async fn start_pair(admin: &str, tag: &str, clients: usize) -> anyhow::Result<Pair> {
     let idem_db = migrated(admin, &format!("idem_bench_peers_idem_{tag}")).await?;
     let peer_db = migrated(admin, &format!("idem_bench_peers_axum_{tag}")).await?;
-    // one merchant drives every client: its concurrency limit must not be what is measured
-    let limit = clients.max(16).to_string();
-    let idem = start_service_with(&idem_bin, &idem_db, 18100, "on", &[("MERCHANT_CONCURRENCY", &limit)]).await?;
-    let peer = start_process(&peer_bin, 18102, &[("DATABASE_URL", &peer_db), ("PORT", "18102")]).await?;
+    let idem = start_idem(&idem_db, clients).await?;
+    let peer = start_peer(&peer_db).await?;
     let peer_target = Target { addr: "127.0.0.1:18102".into(), bearer: None, cookies: sessions(&peer.base, 1).await? };
     Ok(Pair { idem, peer, idem_db, peer_db, peer_target })
 }
@@ -188,7 +198,6 @@ async fn http(admin: &str, clients: usize) -> anyhow::Result<()> {
         cpu(&peer_replay)
     );
     println!("(idem publishes every charge through its relay to the broker meanwhile; the peer publishes nothing)");
-    let _ = (&pair.idem_db, &pair.peer_db);
     Ok(())
 }
 
@@ -345,15 +354,8 @@ async fn guarantees(admin: &str) -> anyhow::Result<()> {
             let _ = t.await;
         }
         let restarted = match which {
-            "idem" => {
-                let bin = std::env::var("IDEM_BIN").unwrap_or_else(|_| format!("{ROOT}/target/release/idem"));
-                start_service_with(&bin, &db, 18100, "on", &[("MERCHANT_CONCURRENCY", "16")]).await?
-            }
-            _ => {
-                let bin = std::env::var("PEER_AXUM_BIN")
-                    .unwrap_or_else(|_| format!("{ROOT}/.local/peers/target/release/peer-axum-idempotent"));
-                start_process(&bin, 18102, &[("DATABASE_URL", &db), ("PORT", "18102")]).await?
-            }
+            "idem" => start_idem(&db, 16).await?,
+            _ => start_peer(&db).await?,
         };
         *svc = restarted;
         let sent = sent.lock().unwrap().clone();

@@ -171,6 +171,9 @@ impl Service {
 
 impl Drop for Service {
     fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(Some(_))) {
+            return; // already ended (crashed on purpose): nothing to stop
+        }
         let _ = std::process::Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
         let _ = self.child.wait();
     }
