@@ -144,7 +144,27 @@ impl Service {
         self
     }
 
+    /// Starts `idem serve` and waits until it answers. Its ports were free when picked, but another test
+    /// process may bind one before idem does: then it moves to other free ports and starts again.
     pub async fn start(&mut self) -> anyhow::Result<()> {
+        let mut attempt = 0;
+        loop {
+            match self.start_once().await {
+                Err(e) if attempt < 3 && e.to_string().contains("Address already in use") => {
+                    attempt += 1;
+                    let (port, admin_port) = (idem_tests::port_for_child(), idem_tests::port_for_child());
+                    self.env.retain(|(k, _)| k != "HTTP_ADDR" && k != "ADMIN_ADDR");
+                    self.env.push(("HTTP_ADDR".into(), format!("127.0.0.1:{port}")));
+                    self.env.push(("ADMIN_ADDR".into(), format!("127.0.0.1:{admin_port}")));
+                    self.base = format!("http://127.0.0.1:{port}");
+                    self.admin = format!("http://127.0.0.1:{admin_port}");
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn start_once(&mut self) -> anyhow::Result<()> {
         let mut cmd = Command::new(idem_bin());
         // stderr goes to a log file (or the terminal with FAULTS_LOG) so a start that fails can say why
         let log = std::env::temp_dir().join(format!("idem-faults-{}.log", Uuid::now_v7()));
@@ -158,7 +178,8 @@ impl Service {
             cmd.env(k, v);
         }
         self.child = Some(cmd.spawn()?);
-        let http = reqwest::Client::new();
+        // bounded: whatever else may hold the port (a collision) must not hang the probe
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).build()?;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         let exited = loop {
             if http.get(format!("{}/healthz", self.base)).send().await.is_ok() {

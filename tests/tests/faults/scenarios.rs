@@ -736,3 +736,22 @@ async fn s12_poison_outbox_row_under_load() -> anyhow::Result<()> {
     finish(&summary);
     Ok(())
 }
+
+/// A port picked free can be bound by another test process before idem binds it (seen in CI: "binding the
+/// admin listener …: Address already in use"). The harness then moves the service to other free ports.
+#[tokio::test]
+async fn a_service_whose_ports_were_taken_starts_on_others() -> anyhow::Result<()> {
+    let db = scenario_db().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&db.url, &brokers);
+    let port = |url: &str| url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).unwrap_or_default();
+    let (taken_http, taken_admin) = (port(&service.base), port(&service.admin));
+    let _http = std::net::TcpListener::bind(("127.0.0.1", taken_http))?;
+    let _admin = std::net::TcpListener::bind(("127.0.0.1", taken_admin))?;
+    service.start().await?;
+    assert_ne!(port(&service.base), taken_http, "moved off the taken HTTP port");
+    assert_ne!(port(&service.admin), taken_admin, "moved off the taken admin port");
+    let ready = reqwest::get(format!("{}/healthz", service.base)).await?;
+    assert!(ready.status().is_success(), "the moved service answers: {}", ready.status());
+    Ok(())
+}
