@@ -51,17 +51,81 @@ fn http_limits(args: &ServeArgs) -> idem_http::server::ServerLimits {
     }
 }
 
+/// `idem serve`, step by step: open and migrate the database, check the settings dedup depends on, bind
+/// both listeners (a taken port fails the start before a single message is touched), build the API, the
+/// order consumer and the cleaner, start the background work, then serve until the shutdown signal.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     init_tracing(args.log_json);
     args.validate().map_err(anyhow::Error::msg)?;
     let cluster = args.kafka.connection()?;
     tracing::info!(config = ?args, "starting idem");
-    let store = connect(&args.db).await?.with_dedup_storage(match args.dedup_storage {
-        DedupStorageArg::Table => DedupStorage::Table,
-        DedupStorageArg::Partitioned => DedupStorage::Partitioned,
-    });
-    store.migrate_reference().await.context("applying migrations")?;
-    tracing::info!("migrations applied");
+    let stores = Stores::open(&args).await?;
+    let checked = check_settings(&stores.api, &args).await?;
+    let listeners = Listeners::bind(&args).await?;
+    let shutdown = CancellationToken::new();
+    cancel_on_signal(shutdown.clone());
+    let mut registry = Registry::default();
+
+    let api = api(&args, &stores.api, &checked, &mut registry);
+    let runner = order_consumer(&args, &cluster, &stores.background, &checked, &mut registry);
+    let cleaner = cleaner(&args, &stores.background, &mut registry);
+    let cleanup_stats = cleaner.stats();
+    // Background work: relay (wake-ups, outbox vacuum), cleaner, topics, then the order consumer. Kafka may be
+    // down at start: the API serves at once (payments wait in the outbox) and the rest waits for the broker.
+    let dlq_topic = args.orders.dlq_topic();
+    let topics = [args.orders.orders_topic.as_str(), dlq_topic.as_str(), args.kafka.payments_topic.as_str()];
+    let relay = relay(&stores.background, &cluster, &args.relay, &mut registry);
+    let mut group = Background::new(stores.background.clone(), &cluster)
+        .shutdown_token(shutdown.clone())
+        .relay(relay)
+        .outbox_vacuum_every(args.relay.outbox_vacuum_interval)
+        .cleaner(cleaner, args.cleanup_interval)
+        .topics(&topics, args.kafka.topic_partitions, args.kafka.replication_factor)
+        .consumer(runner)
+        .start()
+        .await
+        .context("LISTEN for outbox notifications")?;
+
+    let ops = operations(&stores.background, &cluster, registry, cleanup_stats)?;
+    listeners.serve(&mut group, &args, api, ops, &shutdown)?;
+    let result = group.wait(args.shutdown_timeout).await;
+    stores.close().await;
+    tracing::info!("stopped");
+    result
+}
+
+/// The two pools: the API's units of work, and a second one for background work (consumer, relay, cleaner,
+/// readiness) so that neither side can take the other's connections. They share the outbox signal, so HTTP
+/// commits wake the relay at once.
+struct Stores {
+    api: PgStore,
+    background: PgStore,
+}
+
+impl Stores {
+    /// Connects, applies the migrations and says whether acknowledged commits survive a failover.
+    async fn open(args: &ServeArgs) -> anyhow::Result<Self> {
+        let storage = match args.dedup_storage {
+            DedupStorageArg::Table => DedupStorage::Table,
+            DedupStorageArg::Partitioned => DedupStorage::Partitioned,
+        };
+        let api = connect(&args.db).await?.with_dedup_storage(storage);
+        api.migrate_reference().await.context("applying migrations")?;
+        tracing::info!("migrations applied");
+        warn_without_synchronous_standby(&api).await;
+        let background = DbArgs { database_max_connections: args.background_connections, ..args.db.clone() };
+        let background = connect(&background).await?.with_dedup_storage(storage).sharing_outbox_signal(&api);
+        Ok(Self { api, background })
+    }
+
+    async fn close(self) {
+        self.api.close().await;
+        self.background.close().await;
+    }
+}
+
+/// Asynchronous replication can lose commits idem already acted on (RELIABILITY.md): said at every start.
+async fn warn_without_synchronous_standby(store: &PgStore) {
     match store.durability().await {
         Ok(durability) => match durability.risk() {
             Some(risk) => tracing::warn!(%risk, "acknowledged commits are not protected against a failover"),
@@ -69,6 +133,10 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
         Err(e) => tracing::warn!(error = %e, "cannot read the replication settings"),
     }
+}
+
+/// The settings dedup depends on, checked against the ones recorded at earlier starts (`guard`).
+async fn check_settings(store: &PgStore, args: &ServeArgs) -> anyhow::Result<crate::guard::Checked> {
     let wanted = crate::guard::Wanted {
         group: &args.orders.group_id,
         topic: &args.orders.orders_topic,
@@ -80,146 +148,158 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         idempotency_ttl: args.idempotency_ttl,
         accept: &args.accept_setting_change,
     };
-    let checked = crate::guard::check(&store, &wanted, SystemClock.now()).await?;
-    // A second pool for background work (consumer, relay, cleaner, readiness): neither side can take the
-    // other's connections. It shares the outbox signal, so HTTP commits wake the relay at once.
-    let background = DbArgs { database_max_connections: args.background_connections, ..args.db.clone() };
-    let bg_store = connect(&background).await?.with_dedup_storage(store.dedup_storage()).sharing_outbox_signal(&store);
-    // Bind before anything consumes: a taken port fails the start before a single message is touched.
-    let listener =
-        tokio::net::TcpListener::bind(args.http_addr).await.with_context(|| format!("binding {}", args.http_addr))?;
-    let admin_listener = tokio::net::TcpListener::bind(args.admin_addr)
-        .await
-        .with_context(|| format!("binding the admin listener {}", args.admin_addr))?;
-    let dlq_topic = args.orders.dlq_topic();
+    crate::guard::check(store, &wanted, SystemClock.now()).await
+}
 
+/// The payment API behind the idempotency layer, its metrics registered.
+fn api(args: &ServeArgs, store: &PgStore, checked: &crate::guard::Checked, registry: &mut Registry) -> axum::Router {
+    let http_metrics = HttpMetrics::default();
+    http_metrics.register(registry);
     let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let ids: Arc<dyn IdGenerator> = Arc::new(UuidV7Generator);
-    let shutdown = CancellationToken::new();
-    cancel_on_signal(shutdown.clone());
-    let mut registry = Registry::default();
-    let http_metrics = HttpMetrics::default();
-    http_metrics.register(&mut registry);
-
-    // HTTP API
     let state = ApiState {
         tm: tm.clone(),
         payments_of: idem_postgres::payments_of,
         clock: clock.clone(),
-        ids: ids.clone(),
+        ids: Arc::new(UuidV7Generator),
         payments_topic: args.kafka.payments_topic.as_str().into(),
     };
-    let mut idem_config = IdempotencyConfig::new(checked.idempotency_ttl, idem_http::merchant_scope());
-    idem_config.wait = args.idempotency_wait;
-    idem_config.replay_fast_path = match args.idempotency_replay_fast_path {
+    let mut config = IdempotencyConfig::new(checked.idempotency_ttl, idem_http::merchant_scope());
+    config.wait = args.idempotency_wait;
+    config.replay_fast_path = match args.idempotency_replay_fast_path {
         FastPathArg::Adaptive => idem_http::FastPath::Adaptive,
         FastPathArg::Always => idem_http::FastPath::Always,
         FastPathArg::Never => idem_http::FastPath::Never,
     };
-    idem_config.conflict_status = match args.conflict_status {
+    config.conflict_status = match args.conflict_status {
         ConflictStatus::Conflict => StatusCode::CONFLICT,
         ConflictStatus::Unprocessable => StatusCode::UNPROCESSABLE_ENTITY,
     };
     let layer = match args.idempotency_layer {
-        LayerSwitch::On => IdempotencyLayer::new(tm.clone(), clock.clone(), idem_config),
+        LayerSwitch::On => IdempotencyLayer::new(tm, clock, config),
         LayerSwitch::Off => {
             tracing::warn!("idempotency layer is OFF: requests are not deduplicated (benchmark mode)");
-            IdempotencyLayer::transaction_only(tm.clone(), clock.clone(), idem_config)
+            IdempotencyLayer::transaction_only(tm, clock, config)
         }
     };
     let api_keys = args.api_keys.clone().with_concurrency_limit(args.merchant_concurrency as usize);
-    let api = idem_http::router_with_metrics(state, Arc::new(api_keys), layer, http_metrics);
-    // Order-event consumer
+    idem_http::router_with_metrics(state, Arc::new(api_keys), layer, http_metrics)
+}
+
+/// The order-event consumer on the background pool, its statistics registered.
+fn order_consumer(
+    args: &ServeArgs,
+    cluster: &KafkaConnection,
+    store: &PgStore,
+    checked: &crate::guard::Checked,
+    registry: &mut Registry,
+) -> Runner {
     let mut settings =
-        RunnerSettings::new(&cluster, &args.orders.group_id, &args.orders.orders_topic, checked.dedup_ttl);
-    settings.dlq_topic = dlq_topic.clone();
+        RunnerSettings::new(cluster, &args.orders.group_id, &args.orders.orders_topic, checked.dedup_ttl);
+    settings.dlq_topic = args.orders.dlq_topic();
     settings.batch_size = args.batch_size as usize;
     settings.batch_timeout = args.batch_timeout;
     settings.max_rejections = args.max_rejections;
     settings.consumer.session_timeout = args.session_timeout;
     settings.consumer.max_poll_interval = args.max_poll_interval;
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let ids: Arc<dyn IdGenerator> = Arc::new(UuidV7Generator);
     let handler = Arc::new(OrderEventHandler {
         clock: clock.clone(),
-        ids: ids.clone(),
+        ids,
         payments_topic: args.kafka.payments_topic.clone(),
         merchant_id: args.orders_merchant_id.clone(),
         payments_of: idem_postgres::payments_of,
     });
-    let bg_tm: Arc<dyn TransactionManager> = Arc::new(bg_store.clone());
-    let runner = Runner::new(settings, bg_tm, clock.clone(), handler);
-    runner.stats().register(&mut registry);
-    // TTL cleanup
+    let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
+    let runner = Runner::new(settings, tm, clock, handler);
+    runner.stats().register(registry);
+    runner
+}
+
+/// The TTL cleaner (and, with partitioned dedup storage, the partition keeper), its statistics registered.
+fn cleaner(args: &ServeArgs, store: &PgStore, registry: &mut Registry) -> Cleaner {
     let partitions = (args.dedup_storage == DedupStorageArg::Partitioned)
         .then(|| PartitionPolicy { ttl: args.dedup_ttl.ttl(), days_ahead: 3 });
     let cleaner = Cleaner::new(
-        bg_store.clone(),
+        store.clone(),
         CleanupSettings { partitions, max_clock_skew: idem_domain::ADMISSION_MARGIN, ..CleanupSettings::default() },
     );
-    let cleanup_stats = cleaner.stats();
-    cleanup_stats.register(&mut registry);
+    cleaner.stats().register(registry);
+    cleaner
+}
 
-    // Background work: relay (wake-ups, outbox vacuum), cleaner, topics, then the order consumer. Kafka may be
-    // down at start: the API serves at once (payments wait in the outbox) and the rest waits for the broker.
-    let topics = [args.orders.orders_topic.as_str(), dlq_topic.as_str(), args.kafka.payments_topic.as_str()];
-    let mut group = Background::new(bg_store.clone(), &cluster)
-        .shutdown_token(shutdown.clone())
-        .relay(relay(&bg_store, &cluster, &args.relay, &mut registry))
-        .outbox_vacuum_every(args.relay.outbox_vacuum_interval)
-        .cleaner(cleaner, args.cleanup_interval)
-        .topics(&topics, args.kafka.topic_partitions, args.kafka.replication_factor)
-        .consumer(runner)
-        .start()
-        .await
-        .context("LISTEN for outbox notifications")?;
-
-    // Operational endpoints, then serve everything
+/// Readiness, metrics and the database gauges behind them.
+fn operations(
+    store: &PgStore,
+    cluster: &KafkaConnection,
+    mut registry: Registry,
+    cleanup: Arc<idem_postgres::cleanup::CleanupStats>,
+) -> anyhow::Result<ops::Ops> {
     let gauges = ops::Gauges::default();
     gauges.register(&mut registry);
-    let ops = ops::Ops {
-        store: bg_store.clone(),
-        broker: BrokerProbe::new(&cluster)?,
+    Ok(ops::Ops {
+        store: store.clone(),
+        broker: BrokerProbe::new(cluster)?,
         registry: Arc::new(registry),
         gauges,
-        cleanup: cleanup_stats,
-    };
-    // Gauges that need the database are refreshed in the background, never by a scrape.
-    let (gauges, token) = (ops.clone(), shutdown.clone());
-    group.spawn("gauges", async move {
-        gauges.refresh_until(token, std::time::Duration::from_secs(10)).await;
-        Ok(())
-    });
-    // The public listener serves the API and a liveness probe; readiness and metrics live on the admin
-    // listener only (loopback by default), so no unauthenticated public request causes database work.
-    let app = api.merge(ops::public_router()).layer(
-        TraceLayer::new_for_http().make_span_with(|req: &axum::http::Request<axum::body::Body>| {
-            tracing::info_span!("request", method = %req.method(), path = %req.uri().path())
-        }),
-    );
-    {
-        tracing::info!(addr = %admin_listener.local_addr()?, "admin listener (readyz, metrics)");
-        let (token, admin) = (shutdown.clone(), ops::router(ops));
-        let limits = http_limits(&args);
-        group.spawn("admin http", async move {
-            idem_http::server::serve(admin_listener, admin, limits, token).await?;
-            Ok(())
-        });
+        cleanup,
+    })
+}
+
+/// The public listener (the API and a liveness probe) and the admin listener (readiness and metrics, loopback
+/// by default), bound before anything else starts.
+struct Listeners {
+    public: tokio::net::TcpListener,
+    admin: tokio::net::TcpListener,
+}
+
+impl Listeners {
+    async fn bind(args: &ServeArgs) -> anyhow::Result<Self> {
+        let public = tokio::net::TcpListener::bind(args.http_addr)
+            .await
+            .with_context(|| format!("binding {}", args.http_addr))?;
+        let admin = tokio::net::TcpListener::bind(args.admin_addr)
+            .await
+            .with_context(|| format!("binding the admin listener {}", args.admin_addr))?;
+        Ok(Self { public, admin })
     }
 
-    {
-        tracing::info!(addr = %listener.local_addr()?, "HTTP API listening");
-        let (token, limits) = (shutdown.clone(), http_limits(&args));
+    /// Serves both listeners in `group`, and refreshes the database gauges in the background (never by a
+    /// scrape). No unauthenticated public request causes database work: readiness lives on the admin side.
+    fn serve(
+        self,
+        group: &mut idem::TaskGroup,
+        args: &ServeArgs,
+        api: axum::Router,
+        ops: ops::Ops,
+        shutdown: &CancellationToken,
+    ) -> anyhow::Result<()> {
+        let (gauges, token) = (ops.clone(), shutdown.clone());
+        group.spawn("gauges", async move {
+            gauges.refresh_until(token, std::time::Duration::from_secs(10)).await;
+            Ok(())
+        });
+        let app = api.merge(ops::public_router()).layer(TraceLayer::new_for_http().make_span_with(
+            |req: &axum::http::Request<axum::body::Body>| {
+                tracing::info_span!("request", method = %req.method(), path = %req.uri().path())
+            },
+        ));
+        tracing::info!(addr = %self.admin.local_addr()?, "admin listener (readyz, metrics)");
+        let (token, admin, listener) = (shutdown.clone(), ops::router(ops), self.admin);
+        let limits = http_limits(args);
+        group.spawn("admin http", async move {
+            idem_http::server::serve(listener, admin, limits, token).await?;
+            Ok(())
+        });
+        tracing::info!(addr = %self.public.local_addr()?, "HTTP API listening");
+        let (token, limits, listener) = (shutdown.clone(), http_limits(args), self.public);
         group.spawn("http", async move {
             idem_http::server::serve(listener, app, limits, token).await?;
             Ok(())
         });
+        Ok(())
     }
-
-    let result = group.wait(args.shutdown_timeout).await;
-    store.close().await;
-    bg_store.close().await;
-    tracing::info!("stopped");
-    result
 }
 
 pub async fn relay_only(args: RelayOnlyArgs) -> anyhow::Result<()> {

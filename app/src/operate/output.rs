@@ -54,24 +54,20 @@ pub(super) fn print_json(value: &serde_json::Value) {
     }
 }
 
-/// A table with aligned columns.
-pub(super) fn print_table(header: &[&str], rows: &[Vec<String>]) {
-    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+/// A table with aligned columns, no borders (comfy-table), lines trimmed on the right.
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut table = comfy_table::Table::new();
+    table.load_preset(comfy_table::presets::NOTHING).set_header(header.iter().copied());
     for row in rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
+        table.add_row(row.iter().map(String::as_str));
     }
-    let line = |cells: Vec<String>| {
-        let text: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
-        text.join("  ").trim_end().to_owned()
-    };
+    table.trim_fmt()
+}
+
+pub(super) fn print_table(header: &[&str], rows: &[Vec<String>]) {
     #[allow(clippy::print_stdout)] // the command's output
     {
-        println!("{}", line(header.iter().map(|h| (*h).to_owned()).collect()));
-        for row in rows {
-            println!("{}", line(row.clone()));
-        }
+        println!("{}", table(header, rows));
     }
 }
 
@@ -92,4 +88,30 @@ pub(super) fn short(text: &str, max: usize) -> String {
 
 pub(super) fn time(t: Option<DateTime<Utc>>) -> String {
     t.map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)).unwrap_or_else(|| "-".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every column starts at the same character offset on every line, wide cells (an ellipsis, a
+    /// multi-byte name) included, and no line ends in padding.
+    #[test]
+    fn table_columns_line_up() {
+        let rows = vec![
+            vec!["malformed".to_owned(), "12".to_owned(), short("a long error text", 6)],
+            vec!["older-than-dedup-window".to_owned(), "1".to_owned(), "Zürich".to_owned()],
+        ];
+        let text = table(&["REASON", "COUNT", "ERROR"], &rows);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        let column = |line: &str, cell: &str| line.find(cell).map(|at| line[..at].chars().count());
+        let count_at = column(lines[0], "COUNT");
+        assert_eq!(column(lines[1], "12"), count_at, "{text}");
+        assert_eq!(column(lines[2], "1"), count_at, "{text}");
+        let error_at = column(lines[0], "ERROR");
+        assert_eq!(column(lines[1], "a long…"), error_at, "{text}");
+        assert_eq!(column(lines[2], "Zürich"), error_at, "{text}");
+        assert!(lines.iter().all(|l| !l.ends_with(' ')), "{text}");
+    }
 }
