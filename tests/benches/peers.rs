@@ -9,9 +9,12 @@
 //!   body, concurrent duplicates, and a SIGKILL between effect and record followed by retries.
 //! - **Outbox**: idem's relay against `pg-transactional-outbox` (npm; polling listener, kafkajs producer),
 //!   see [`outbox`].
+//! - **Inbox**: idem's consumer (processed_event in the business transaction) against the same library's
+//!   inbox (kafkajs consumer storing into its inbox table, polling listener applying), see [`inbox`].
 //!
 //! Settings: PEER_AXUM_BIN (.local/peers/target/release/peer-axum-idempotent), PEER_OUTBOX_DIR
-//! (.local/peers/outbox), IDEM_BIN, DATABASE_URL, KAFKA_BROKERS, BENCH_PEER_PARTS (http,guarantees,outbox).
+//! (.local/peers/outbox), IDEM_BIN, DATABASE_URL, KAFKA_BROKERS, BENCH_PEER_PARTS
+//! (http,guarantees,outbox,inbox).
 
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::disallowed_methods)]
 
@@ -377,10 +380,31 @@ async fn guarantees(admin: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Where `scripts/bench.sh peers` installed pg-transactional-outbox and its driver script.
+fn peer_outbox_dir() -> String {
+    std::env::var("PEER_OUTBOX_DIR").unwrap_or_else(|_| format!("{ROOT}/.local/peers/outbox"))
+}
+
+/// Runs the outbox peer's script (peers/pg-transactional-outbox/bench.cjs); returns its JSON answer and
+/// the CPU seconds its process used.
+fn node(dir: &str, env: &[(&str, &str)], args: &[&str]) -> anyhow::Result<(serde_json::Value, f64)> {
+    let before = common::children_cpu_seconds();
+    let out = std::process::Command::new("node")
+        .arg(format!("{dir}/bench.cjs"))
+        .args(args)
+        .current_dir(dir)
+        .envs(env.iter().copied())
+        .output()?;
+    let cpu = common::children_cpu_seconds() - before;
+    anyhow::ensure!(out.status.success(), "peer {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    let line = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().to_owned();
+    Ok((serde_json::from_str(&line)?, cpu))
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     let Some((admin, brokers)) = common::bench_env() else { return Ok(()) };
-    let parts = std::env::var("BENCH_PEER_PARTS").unwrap_or_else(|_| "http,guarantees,outbox".into());
+    let parts = std::env::var("BENCH_PEER_PARTS").unwrap_or_else(|_| "http,guarantees,outbox,inbox".into());
     let wanted = |p: &str| parts.split(',').any(|x| x.trim() == p);
     println!("idem side by side with its peers (one run, same PostgreSQL and broker, fresh databases)");
     if wanted("http") {
@@ -393,6 +417,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if wanted("outbox") {
         outbox::run(&admin, &brokers).await?;
+    }
+    if wanted("inbox") {
+        inbox::run(&admin, &brokers).await?;
     }
     Ok(())
 }
@@ -410,28 +437,14 @@ mod outbox {
 
     use super::common::relay::{fill, latency, start_relay, unpublished};
     use super::common::{self, env_or, fresh_database, fresh_store};
-
-    /// Runs the peer's script; returns its JSON answer and the CPU seconds its process used.
-    fn node(dir: &str, env: &[(&str, &str)], args: &[&str]) -> anyhow::Result<(serde_json::Value, f64)> {
-        let before = common::children_cpu_seconds();
-        let out = std::process::Command::new("node")
-            .arg(format!("{dir}/bench.cjs"))
-            .args(args)
-            .current_dir(dir)
-            .envs(env.iter().copied())
-            .output()?;
-        let cpu = common::children_cpu_seconds() - before;
-        anyhow::ensure!(out.status.success(), "peer {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-        let line = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().to_owned();
-        Ok((serde_json::from_str(&line)?, cpu))
-    }
+    use super::node;
 
     pub async fn run(admin: &str, brokers: &str) -> anyhow::Result<()> {
         let rows: i64 = env_or("BENCH_OUTBOX_ROWS", 10_000);
         let rate: u64 = env_or("BENCH_RATE", 500);
         let seconds: u64 = env_or("BENCH_SECONDS", 5);
         let batch: i64 = 2000;
-        let dir = std::env::var("PEER_OUTBOX_DIR").unwrap_or_else(|_| format!("{}/.local/peers/outbox", super::ROOT));
+        let dir = super::peer_outbox_dir();
 
         // idem: a backlog drained by its relay
         let store = fresh_store(admin, "idem_bench_peers_relay").await?;
@@ -526,6 +539,167 @@ mod outbox {
             peer_secs / idem_secs,
             per(idem_cpu + idem_pg),
             per(peer_cpu + peer_pg)
+        );
+        Ok(())
+    }
+}
+
+/// Inbox dedup side by side: one topic of BENCH_INBOX_EVENTS (10000) order events over 1,000 keys, 6
+/// partitions, each with an `event_id` header, plus BENCH_INBOX_DUPLICATES (1000) redeliveries of events
+/// already sent (same id, key and body), read by each side in its own consumer group into its own fresh
+/// database. Both apply an event by inserting one row with no key, so an event applied twice is two rows:
+/// the effects are counted, not the survivors. idem: the consumer runner, processed_event recorded in the
+/// business transaction, batches of 100. The peer: kafkajs stores each message in the library's inbox table
+/// (ON CONFLICT DO NOTHING on the id), and its polling listener applies it in the transaction that marks the
+/// row processed. msg/s from the first message received to the last event applied; CPU per message of the
+/// consumer's process and of PostgreSQL.
+mod inbox {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use idem_domain::TtlPolicy;
+    use idem_kafka::consumer::{Runner, RunnerSettings};
+    use idem_ports::{SystemClock, TransactionManager};
+    use idem_tests::effects::CountingHandler;
+    use idem_tests::kafka::{create_topic, produce, unique_topic};
+    use tokio_util::sync::CancellationToken;
+    use uuid::Uuid;
+
+    use super::common::{self, env_or, fresh_database, fresh_store};
+    use super::node;
+
+    /// `events` distinct events, then `duplicates` of them sent again, spread through the topic.
+    async fn fill(brokers: &str, topic: &str, events: usize, duplicates: usize) -> anyhow::Result<()> {
+        // uncompressed: kafkajs reads no LZ4 without a codec plugin, and both sides read the same bytes
+        let p: rdkafka::producer::FutureProducer =
+            idem_kafka::ProducerSettings::new(brokers).client_config().set("compression.type", "none").create()?;
+        let sent: Vec<(Uuid, String, String)> = (0..events)
+            .map(|i| {
+                let order = format!("order-{}", i % 1000);
+                let body = serde_json::json!({ "type": "OrderPlaced", "order": order, "n": i }).to_string();
+                (Uuid::now_v7(), order, body)
+            })
+            .collect();
+        let every = events / duplicates.max(1);
+        let mut order: Vec<&(Uuid, String, String)> = Vec::with_capacity(events + duplicates);
+        for (i, event) in sent.iter().enumerate() {
+            order.push(event);
+            if every > 0 && i % every == every - 1 && order.len() < events + duplicates {
+                order.push(&sent[i / 2]); // an earlier event redelivered
+            }
+        }
+        for chunk in order.chunks(1000) {
+            let sends = chunk.iter().map(|(id, key, body)| {
+                let id = id.to_string();
+                let p = p.clone();
+                async move { produce(&p, topic, Some(key), body.as_bytes(), &[("event_id", id.as_bytes())]).await }
+            });
+            for sent in futures::future::join_all(sends).await {
+                sent?;
+            }
+        }
+        anyhow::ensure!(order.len() == events + duplicates, "{} messages, not {}", order.len(), events + duplicates);
+        Ok(())
+    }
+
+    pub async fn run(admin: &str, brokers: &str) -> anyhow::Result<()> {
+        let events: usize = env_or("BENCH_INBOX_EVENTS", 10_000);
+        let duplicates: usize = env_or("BENCH_INBOX_DUPLICATES", 1_000);
+        let total = events + duplicates;
+        let topic = unique_topic("peers-inbox");
+        create_topic(brokers, &topic, 6).await?;
+        create_topic(brokers, &format!("{topic}.dlq"), 1).await?;
+        fill(brokers, &topic, events, duplicates).await?;
+
+        // idem: the consumer runner with a handler that writes one row per application
+        let store = fresh_store(admin, "idem_bench_peers_inbox").await?;
+        sqlx::raw_sql(
+            "CREATE TABLE test_application (n bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                 event_id uuid, order_id uuid, version bigint, topic text, at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        )
+        .execute(store.pool())
+        .await?;
+        let mut settings =
+            RunnerSettings::new(brokers, "idem-inbox", &topic, TtlPolicy::new(Duration::from_secs(72 * 3600))?);
+        settings.consumer.session_timeout = Duration::from_millis(6000);
+        let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
+        let runner = Runner::new(settings, tm, Arc::new(SystemClock), Arc::new(CountingHandler));
+        let stats = runner.stats();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(runner.run(stop.clone()));
+        while stats.received.get() == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let (me, pg) =
+            (common::process_cpu_seconds(std::process::id()).unwrap_or(0.0), common::cpu_seconds_of("postgres"));
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs(600);
+        while stats.processed.get() + stats.duplicates.get() < total as u64 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let idem_secs = start.elapsed().as_secs_f64();
+        let idem_cpu = common::process_cpu_seconds(std::process::id()).unwrap_or(0.0) - me;
+        let idem_pg = common::cpu_seconds_of("postgres") - pg;
+        stop.cancel();
+        let _ = task.await;
+        let (idem_applied, idem_distinct): (i64, i64) =
+            sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM test_application")
+                .fetch_one(store.pool())
+                .await?;
+
+        // the peer: its inbox, fed by kafkajs, applied by its polling listener
+        let db = fresh_database(admin, "idem_bench_peers_inbox_peer").await?;
+        let env = [
+            ("DATABASE_URL", db.as_str()),
+            ("KAFKA_BROKERS", brokers),
+            ("TOPIC", topic.as_str()),
+            ("GROUP", "peer-inbox"),
+        ];
+        let pg = common::cpu_seconds_of("postgres");
+        let (peer, peer_cpu) =
+            node(&super::peer_outbox_dir(), &env, &["inbox", &events.to_string(), &total.to_string()])?;
+        let peer_pg = common::cpu_seconds_of("postgres") - pg;
+        let peer_secs = peer["seconds"].as_f64().unwrap_or(f64::NAN);
+
+        let per = |cpu: f64| cpu * 1000.0 / total as f64;
+        println!();
+        println!(
+            "Inbox dedup, {events} events + {duplicates} redeliveries over 1,000 keys, 6 partitions; each application inserts one row with no key:"
+        );
+        println!(
+            "{:<34} {:>10} {:>18} {:>17} {:>9} {:>9}",
+            "consumer", "msg/s", "consumer CPU ms/msg", "PostgreSQL ms/msg", "applied", "distinct"
+        );
+        println!(
+            "{:<34} {:>10.0} {:>18.3} {:>17.3} {:>9} {:>9}",
+            "idem runner (batch 100)",
+            total as f64 / idem_secs,
+            per(idem_cpu),
+            per(idem_pg),
+            idem_applied,
+            idem_distinct
+        );
+        println!(
+            "{:<34} {:>10.0} {:>18.3} {:>17.3} {:>9} {:>9}",
+            "pg-transactional-outbox inbox",
+            total as f64 / peer_secs,
+            per(peer_cpu),
+            per(peer_pg),
+            peer["applied"].as_i64().unwrap_or(-1),
+            peer["distinct"].as_i64().unwrap_or(-1)
+        );
+        println!(
+            "idem / pg-transactional-outbox: throughput {:.2}x, CPU (consumer + PostgreSQL) per message {:.3} vs {:.3} ms; \
+             peer received {} of {total}, failed attempts: {}",
+            peer_secs / idem_secs,
+            per(idem_cpu + idem_pg),
+            per(peer_cpu + peer_pg),
+            peer["received"],
+            peer["failures"]
+        );
+        anyhow::ensure!(
+            idem_applied == events as i64 && idem_distinct == events as i64,
+            "idem applied {idem_applied} rows for {events} events"
         );
         Ok(())
     }
