@@ -318,6 +318,31 @@ pub struct RelayOnlyArgs {
     pub log_json: bool,
 }
 
+/// How fast a cleanup round deletes: rows per statement and the pause between statements that leaves room
+/// to the traffic (`idem serve`'s cleaner and `idem cleanup --once`). Smaller batches and longer pauses
+/// lower the charges' p99 during a large round and make it take longer (BENCHMARKS.md, "At size").
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct CleanupPace {
+    /// Rows per DELETE statement.
+    #[arg(id = "cleanup_batch_size", long = "cleanup-batch-size", env = "CLEANUP_BATCH_SIZE", default_value_t = 5000, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
+    pub batch_size: i64,
+    /// Pause between two DELETE statements of a round.
+    #[arg(id = "cleanup_pause", long = "cleanup-pause", env = "CLEANUP_PAUSE", default_value = "5ms", value_parser = parse_duration)]
+    pub pause: Duration,
+}
+
+impl CleanupPace {
+    /// The cleaner's settings at this pace.
+    pub fn settings(&self) -> idem_postgres::cleanup::CleanupSettings {
+        idem_postgres::cleanup::CleanupSettings {
+            batch_size: self.batch_size,
+            pause: self.pause,
+            max_clock_skew: idem_domain::ADMISSION_MARGIN,
+            ..idem_postgres::cleanup::CleanupSettings::default()
+        }
+    }
+}
+
 /// `idem serve` settings.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
@@ -373,6 +398,8 @@ pub struct ServeArgs {
     /// How often expired rows are deleted.
     #[arg(long, env = "CLEANUP_INTERVAL", default_value = "6h", value_parser = parse_duration)]
     pub cleanup_interval: Duration,
+    #[command(flatten)]
+    pub cleanup: CleanupPace,
     /// How long a duplicate request waits for the first one with its key to finish.
     #[arg(long, env = "IDEMPOTENCY_WAIT", default_value = "2s", value_parser = parse_duration)]
     pub idempotency_wait: Duration,

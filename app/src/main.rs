@@ -15,7 +15,7 @@ use clap::{Parser, Subcommand};
 
 use config::{DbArgs, RelayOnlyArgs, ServeArgs};
 use idem_ports::{Clock, SystemClock};
-use idem_postgres::cleanup::{Cleaner, CleanupSettings};
+use idem_postgres::cleanup::Cleaner;
 use idem_postgres::{PgStore, PoolSettings, Pooler};
 use tokio_util::sync::CancellationToken;
 
@@ -62,9 +62,8 @@ struct CleanupArgs {
     /// Run one round and exit (the only mode; `idem serve` runs the periodic cleaner).
     #[arg(long)]
     once: bool,
-    /// Rows per DELETE statement.
-    #[arg(long, env = "CLEANUP_BATCH_SIZE", default_value_t = 5000, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
-    batch_size: i64,
+    #[command(flatten)]
+    pace: config::CleanupPace,
 }
 
 fn init_tracing(json: bool) {
@@ -127,11 +126,7 @@ async fn cleanup_once(args: CleanupArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.once, "idem cleanup needs --once (idem serve runs the periodic cleaner)");
     let store = connect(&args.db).await?;
     store.migrate_reference().await.context("applying migrations")?;
-    let settings = CleanupSettings {
-        batch_size: args.batch_size,
-        max_clock_skew: idem_domain::ADMISSION_MARGIN,
-        ..CleanupSettings::default()
-    };
+    let settings = args.pace.settings();
     let now = SystemClock.now();
     let expired = store.expired_rows(now).await?;
     let cleaner = Cleaner::new(store.clone(), settings);
@@ -219,6 +214,7 @@ mod tests {
     use idem_kafka::consumer::RunnerSettings;
     use idem_kafka::relay::RelaySettings;
     use idem_postgres::PoolSettings;
+    use idem_postgres::cleanup::CleanupSettings;
 
     const BASE: &[&str] = &["idem", "serve", "--database-url", "postgres://u:secret@h/db"];
 
@@ -375,7 +371,10 @@ mod tests {
         assert!((idem_domain::ttl::MIN_TTL..=idem_domain::ttl::MAX_TTL).contains(&ttl(args.dedup_ttl)));
         let cleanup = Cli::try_parse_from(["idem", "cleanup", "--once", "--database-url", "postgres://h/db"]);
         let Ok(Cli { command: Command::Cleanup(cleanup) }) = cleanup else { panic!("cleanup parses") };
-        assert_eq!(cleanup.batch_size, CleanupSettings::default().batch_size);
+        assert_eq!(cleanup.pace.batch_size, CleanupSettings::default().batch_size);
+        assert_eq!(cleanup.pace.pause, CleanupSettings::default().pause);
+        assert_eq!(args.cleanup.batch_size, CleanupSettings::default().batch_size);
+        assert_eq!(args.cleanup.pause, CleanupSettings::default().pause);
     }
 
     #[test]

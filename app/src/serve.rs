@@ -221,10 +221,7 @@ fn order_consumer(
 fn cleaner(args: &ServeArgs, store: &PgStore, registry: &mut Registry) -> Cleaner {
     let partitions = (args.dedup_storage == DedupStorageArg::Partitioned)
         .then(|| PartitionPolicy { ttl: args.dedup_ttl.ttl(), days_ahead: 3 });
-    let cleaner = Cleaner::new(
-        store.clone(),
-        CleanupSettings { partitions, max_clock_skew: idem_domain::ADMISSION_MARGIN, ..CleanupSettings::default() },
-    );
+    let cleaner = Cleaner::new(store.clone(), CleanupSettings { partitions, ..args.cleanup.settings() });
     cleaner.stats().register(registry);
     cleaner
 }

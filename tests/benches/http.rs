@@ -13,7 +13,9 @@
 //! BENCH_CONCURRENCY (8), BENCH_SECONDS (5, per slice), BENCH_ROUNDS (6), BENCH_PHASES (on,replay,off,idle;
 //! also pgbouncer, nofast, cleanup), IDEM_BIN (target/release/idem), DATABASE_URL. At size (`scripts/bench.sh scale`):
 //! BENCH_PREFILL_ROWS (0) completed idempotency records written into the service's and the ceiling's tables
-//! first, spread over the 48 h retention, and BENCH_KEYS (v7, or v4: random keys as most clients send).
+//! first, spread over the 48 h retention, and BENCH_KEYS (v7, or v4: random keys as most clients send);
+//! with `cleanup` in BENCH_PHASES, BENCH_CLEANUP_PACES ("5000:5ms": rows per DELETE and pause, one cleanup
+//! round per pace).
 
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::disallowed_methods)]
 
@@ -274,6 +276,7 @@ async fn cleanup_during_traffic(
     concurrency: usize,
     duration: Duration,
     rows: u64,
+    (batch, pause): (&str, &str),
 ) -> anyhow::Result<(Summary, Summary, u64, Duration)> {
     let expired = rows / 2;
     prefill_aged(db, "bench", expired, rows, (49, 72)).await?;
@@ -283,7 +286,7 @@ async fn cleanup_during_traffic(
     }
     let started = Instant::now();
     let mut child = std::process::Command::new(bin)
-        .args(["cleanup", "--once", "--database-url", db])
+        .args(["cleanup", "--once", "--database-url", db, "--cleanup-batch-size", batch, "--cleanup-pause", pause])
         .env("RUST_LOG", "warn")
         .spawn()?;
     // its end is noted as it happens, not when the slice running then ends
@@ -411,13 +414,16 @@ async fn main() -> anyhow::Result<()> {
     };
     // At size (BENCH_PHASES with `cleanup`): a day's worth of expired records (half the prefill, created
     // 48.5–72 h ago) is added, then charges run in slices before and while `idem cleanup --once` deletes
-    // them in its batches.
-    let cleanup = match &on_svc {
-        Some(svc) if wanted("cleanup") && prefill_rows > 0 => {
-            Some(cleanup_during_traffic(svc, db, &bin, concurrency, duration, prefill_rows).await?)
+    // them in its batches, once per pace of BENCH_CLEANUP_PACES (`rows:pause` each, "5000:5ms" = the default).
+    let mut cleanup = Vec::new();
+    if let Some(svc) = on_svc.as_ref().filter(|_| wanted("cleanup") && prefill_rows > 0) {
+        for pace in std::env::var("BENCH_CLEANUP_PACES").unwrap_or_else(|_| "5000:5ms".into()).split_whitespace() {
+            let (batch, pause) = pace.split_once(':').ok_or_else(|| anyhow::anyhow!("a pace is rows:pause"))?;
+            let measured =
+                cleanup_during_traffic(svc, db, &bin, concurrency, duration, prefill_rows, (batch, pause)).await?;
+            cleanup.push((pace.to_owned(), measured));
         }
-        _ => None,
-    };
+    }
     drop(on_svc);
     let nofast_replays = match &nofast_svc {
         Some(svc) => {
@@ -505,11 +511,11 @@ async fn main() -> anyhow::Result<()> {
     if let (Some(replays), Some(nofast_replays)) = (&replays, &nofast_replays) {
         println!("replays: fast path on / off      = {:.2}", replays.rate() / nofast_replays.rate());
     }
-    if let Some((without, with, deleted, took)) = &cleanup {
+    for (pace, (without, with, deleted, took)) in &cleanup {
         print_table(&[without.clone(), with.clone()]);
         println!(
-            "cleanup during traffic: {deleted} expired rows deleted in {took:.1?} ({:.0} rows/s); charges/s {:.2} and \
-             p99 {:.2}x of the slices without it (target p99 <= 2x)",
+            "cleanup during traffic at {pace} (rows per DELETE:pause): {deleted} expired rows deleted in {took:.1?} \
+             ({:.0} rows/s); charges/s {:.2} and p99 {:.2}x of the slices without it (target p99 <= 2x)",
             *deleted as f64 / took.as_secs_f64().max(1e-9),
             with.rate() / without.rate().max(1e-9),
             with.p99.as_secs_f64() / without.p99.as_secs_f64().max(1e-9)

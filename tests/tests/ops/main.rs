@@ -554,7 +554,7 @@ async fn cleanup_once_reports_progress() -> anyhow::Result<()> {
     )
     .execute(db.pool())
     .await?;
-    let out = service.idem(&["cleanup", "--once", "--batch-size", "5000"])?;
+    let out = service.idem(&["cleanup", "--once", "--cleanup-batch-size", "5000"])?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(stderr.contains("deleting expired rows: 120000 done"), "{stderr}");
