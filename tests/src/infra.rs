@@ -132,34 +132,20 @@ impl TlsPostgres {
         let data = dir.path().join("data");
         let pwfile = dir.path().join("pw");
         std::fs::write(&pwfile, password)?;
-        give_to_postgres(dir.path())?;
-        let mut initdb = as_postgres(&bindir.join("initdb"));
-        initdb.arg("-D").arg(&data).args(["-U", "postgres", "--auth-local=trust", "--auth-host=scram-sha-256"]);
-        initdb.arg(format!("--pwfile={}", pwfile.display())).stdout(Stdio::null());
-        run(initdb, "initdb")?;
+        initdb(&bindir, dir.path(), &["--auth-host=scram-sha-256", &format!("--pwfile={}", pwfile.display())])?;
         std::fs::copy(&pki.server_cert, data.join("server.crt"))?;
         std::fs::copy(&pki.server_key, data.join("server.key"))?;
         {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(data.join("server.key"), std::fs::Permissions::from_mode(0o600))?;
         }
-        let port = crate::port_for_child();
-        let conf = format!(
-            "\nport = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{}'\nssl = on\n\
-             ssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\nfsync = off\nshared_buffers = 32MB\n\
+        let port = configure_and_start(
+            &bindir,
+            dir.path(),
+            "ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\nfsync = off\nshared_buffers = 32MB\n\
              max_connections = 60\n",
-            dir.path().display()
-        );
-        let mut pg_conf = std::fs::OpenOptions::new().append(true).open(data.join("postgresql.conf"))?;
-        std::io::Write::write_all(&mut pg_conf, conf.as_bytes())?;
-        std::fs::write(
-            data.join("pg_hba.conf"),
             "local all all trust\nhostssl all all 127.0.0.1/32 scram-sha-256\nhostssl all all ::1/128 scram-sha-256\n",
         )?;
-        give_to_postgres(dir.path())?;
-        let mut start = as_postgres(&bindir.join("pg_ctl"));
-        start.arg("-D").arg(&data).arg("-l").arg(dir.path().join("log")).args(["-w", "start"]).stdout(Stdio::null());
-        run(start, "pg_ctl start")?;
         Ok(Self { dir, bindir, port, password: password.to_owned() })
     }
 
@@ -176,10 +162,75 @@ impl TlsPostgres {
 
 impl Drop for TlsPostgres {
     fn drop(&mut self) {
-        let mut stop = as_postgres(&self.bindir.join("pg_ctl"));
-        stop.arg("-D").arg(self.dir.path().join("data")).args(["-m", "immediate", "stop"]);
-        let _ = stop.stdout(Stdio::null()).stderr(Stdio::null()).status();
+        stop_cluster(&self.bindir, self.dir.path());
     }
+}
+
+/// `initdb` of a private cluster in `dir/data`, superuser `postgres`, trust on the Unix socket.
+fn initdb(bindir: &Path, dir: &Path, args: &[&str]) -> anyhow::Result<()> {
+    give_to_postgres(dir)?;
+    let mut initdb = as_postgres(&bindir.join("initdb"));
+    initdb.arg("-D").arg(dir.join("data")).args(["-U", "postgres", "--auth-local=trust"]).args(args);
+    initdb.stdout(Stdio::null());
+    run(initdb, "initdb")?;
+    Ok(())
+}
+
+/// Appends `settings` to the cluster's configuration (on a free loopback port, its socket in `dir`), writes
+/// `hba` as its `pg_hba.conf`, starts it and waits until it accepts connections; returns the port.
+fn configure_and_start(bindir: &Path, dir: &Path, settings: &str, hba: &str) -> anyhow::Result<u16> {
+    let data = dir.join("data");
+    let port = crate::port_for_child();
+    let conf = format!(
+        "\nport = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{}'\n{settings}",
+        dir.display()
+    );
+    let mut pg_conf = std::fs::OpenOptions::new().append(true).open(data.join("postgresql.conf"))?;
+    std::io::Write::write_all(&mut pg_conf, conf.as_bytes())?;
+    std::fs::write(data.join("pg_hba.conf"), hba)?;
+    give_to_postgres(dir)?;
+    let mut start = as_postgres(&bindir.join("pg_ctl"));
+    start.arg("-D").arg(&data).arg("-l").arg(dir.join("log")).args(["-w", "start"]).stdout(Stdio::null());
+    run(start, "pg_ctl start")?;
+    Ok(port)
+}
+
+/// A private PostgreSQL cluster with `settings` appended to its configuration (for example
+/// `wal_level = logical` for a logical-replication peer), trust authentication on loopback. Stopped when
+/// dropped.
+#[derive(Debug)]
+pub struct PrivatePostgres {
+    dir: tempfile::TempDir,
+    bindir: PathBuf,
+    pub port: u16,
+}
+
+impl PrivatePostgres {
+    pub async fn start(settings: &str) -> anyhow::Result<Self> {
+        let bindir = pg_bindir()?;
+        let dir = tempfile::Builder::new().prefix("idem-pg-").tempdir()?;
+        initdb(&bindir, dir.path(), &["--auth-host=trust"])?;
+        let hba = "local all all trust\nhost all all 127.0.0.1/32 trust\nhost replication all 127.0.0.1/32 trust\n";
+        let port = configure_and_start(&bindir, dir.path(), settings, hba)?;
+        Ok(Self { dir, bindir, port })
+    }
+
+    /// The URL of `database` as the superuser `postgres`.
+    pub fn url(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        stop_cluster(&self.bindir, self.dir.path());
+    }
+}
+
+fn stop_cluster(bindir: &Path, dir: &Path) {
+    let mut stop = as_postgres(&bindir.join("pg_ctl"));
+    stop.arg("-D").arg(dir.join("data")).args(["-m", "immediate", "stop"]);
+    let _ = stop.stdout(Stdio::null()).stderr(Stdio::null()).status();
 }
 
 /// Debian's PgBouncer in transaction pooling mode with the usual settings (`ignore_startup_parameters =
