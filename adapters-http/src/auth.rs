@@ -71,11 +71,17 @@ impl ApiKeys {
             if !name_ok {
                 return Err("IDEM_API_KEYS merchant names must be 1-64 characters of A-Z, a-z, 0-9, '_' or '-'".into());
             }
-            let given_digest = key
-                .strip_prefix("sha256:")
-                .filter(|h| h.len() == 64)
-                .and_then(|h| hex::decode(h).ok())
-                .and_then(|d| <[u8; 32]>::try_from(d).ok());
+            // Anything that starts like a digest is one or an error: a mistyped digest (63 digits, a stray
+            // character) must not silently become a usable plaintext key, the opposite of what was meant.
+            let digest_prefix = key.get(..7).is_some_and(|p| p.eq_ignore_ascii_case("sha256:"));
+            let given_digest = digest_prefix
+                .then(|| hex::decode(&key[7..]).ok().and_then(|d| <[u8; 32]>::try_from(d).ok()))
+                .map(|d| {
+                    d.ok_or_else(|| {
+                        format!("IDEM_API_KEYS key of merchant {merchant} starts with 'sha256:' but is not a SHA-256 digest (64 hex digits)")
+                    })
+                })
+                .transpose()?;
             if given_digest.is_none()
                 && (key.len() < 8 || key.len() > 256 || !key.bytes().all(|b| (0x21..=0x7e).contains(&b)))
             {
@@ -163,6 +169,23 @@ mod tests {
         assert_eq!(keys.merchant("plain_key_0123").map(|m| &*m.0), Some("n"));
         let same = ApiKeys::parse(&format!("m:sha256:{digest},n:real_key_0123456789"));
         assert!(same.expect_err("the same key twice").contains("same key twice"));
+        let upper = ApiKeys::parse(&format!("m:SHA256:{}", digest.to_uppercase())).expect("any case");
+        assert_eq!(upper.merchant("real_key_0123456789").map(|m| &*m.0), Some("m"));
+    }
+
+    /// Issue 38.2: a mistyped digest (a digit short, a stray character, an odd prefix case) is refused,
+    /// naming the merchant and never the text; it never becomes a plaintext key.
+    #[test]
+    fn a_mistyped_digest_is_refused_not_taken_as_a_key() {
+        let digest = hex::encode(Sha256::digest(b"real_key_0123456789"));
+        for typo in [&digest[..63], &format!("{}x", &digest[..63]), &format!("{digest}0")] {
+            for prefix in ["sha256:", "SHA256:", "Sha256:"] {
+                let entry = format!("wallet:{prefix}{typo}");
+                let err = ApiKeys::parse(&entry).expect_err("a mistyped digest is refused");
+                assert!(err.contains("wallet") && err.contains("sha256"), "{err}");
+                assert!(!err.contains(typo), "the text is never shown: {err}");
+            }
+        }
     }
 
     #[test]

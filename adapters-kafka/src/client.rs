@@ -39,7 +39,50 @@ pub const PROTECTED: &[(&str, &str)] = &[
     ("enable.auto.offset.store", "offsets are stored only after the database transaction of their events committed"),
     ("auto.offset.reset", "earliest: a new group starts from the beginning, so no event is skipped"),
     ("isolation.level", "read_committed: events of aborted producer transactions are never applied"),
+    ("queuing.strategy", "fifo: a key's events are sent in the order they were produced"),
 ];
+
+/// librdkafka's second names for one property (alias, the property it names), from its CONFIGURATION.md
+/// (`tests/librdkafka-properties.tsv` checks the list against the pinned librdkafka).
+const ALIASES: &[(&str, &str)] = &[
+    ("acks", "request.required.acks"),
+    ("bootstrap.servers", "metadata.broker.list"),
+    ("compression.type", "compression.codec"),
+    ("delivery.timeout.ms", "message.timeout.ms"),
+    ("enable.auto.commit", "auto.commit.enable"),
+    ("linger.ms", "queue.buffering.max.ms"),
+    ("max.in.flight", "max.in.flight.requests.per.connection"),
+    ("max.partition.fetch.bytes", "fetch.message.max.bytes"),
+    ("retries", "message.send.max.retries"),
+    ("sasl.mechanism", "sasl.mechanisms"),
+    ("sasl.oauthbearer.client.credentials.client.id", "sasl.oauthbearer.client.id"),
+    ("sasl.oauthbearer.client.credentials.client.secret", "sasl.oauthbearer.client.secret"),
+];
+
+/// Global properties whose own name starts with `topic.`; librdkafka reads any other `topic.X` as the
+/// default topic configuration's `X`.
+const TOPIC_NAMED: &[&str] = &[
+    "topic.blacklist",
+    "topic.metadata.propagation.max.ms",
+    "topic.metadata.refresh.fast.cnt",
+    "topic.metadata.refresh.fast.interval.ms",
+    "topic.metadata.refresh.interval.ms",
+    "topic.metadata.refresh.sparse",
+];
+
+/// The property librdkafka sets for `name`: without the `topic.` prefix it strips (`topic.acks` is
+/// `acks`) and through its aliases (`acks` is `request.required.acks`), lower case. Two names with the same
+/// canonical name set the same property, so idem compares and replaces properties by it.
+pub fn canonical_property(name: &str) -> String {
+    let mut name = name.trim().to_ascii_lowercase();
+    while name.starts_with("topic.") && !TOPIC_NAMED.contains(&name.as_str()) {
+        name.drain(.."topic.".len());
+    }
+    match ALIASES.iter().find(|(alias, _)| *alias == name) {
+        Some((_, target)) => (*target).to_owned(),
+        None => name,
+    }
+}
 
 /// A property idem refused, or a properties file it could not read. Never holds a property's value.
 #[derive(Debug, thiserror::Error)]
@@ -82,13 +125,16 @@ impl KafkaConnection {
         Self { brokers: brokers.to_owned(), properties: Vec::new() }
     }
 
-    /// Adds one librdkafka property (a later value of the same key wins). Refuses [`PROTECTED`] ones.
+    /// Adds one librdkafka property (a later value of the same property wins, whatever name it was given
+    /// by). Refuses [`PROTECTED`] ones under any of their names: an alias, any case, a `topic.` prefix
+    /// ([`canonical_property`]).
     pub fn with_property(mut self, key: &str, value: &str) -> Result<Self, PropertyError> {
         let key = key.trim();
-        if let Some((_, why)) = PROTECTED.iter().find(|(k, _)| k.eq_ignore_ascii_case(key)) {
+        let canonical = canonical_property(key);
+        if let Some((_, why)) = PROTECTED.iter().find(|(k, _)| canonical_property(k) == canonical) {
             return Err(PropertyError::Protected { key: key.to_owned(), why });
         }
-        self.properties.retain(|(k, _)| k != key);
+        self.properties.retain(|(k, _)| canonical_property(k) != canonical);
         self.properties.push((key.to_owned(), value.to_owned()));
         Ok(self)
     }
@@ -131,9 +177,18 @@ impl KafkaConnection {
 
     /// Sets the bootstrap servers and the deployment's properties on `config`, over the client's own
     /// defaults (a deployment may tune `linger.ms`, say; the protected properties cannot be in the list).
+    /// A property the client set under another name (`queue.buffering.max.ms` for `linger.ms`) is removed
+    /// first: rdkafka's configuration is a map handed to librdkafka in no fixed order, so two names of one
+    /// property would make the value that wins differ from one process to the next.
     pub fn apply<'c>(&self, config: &'c mut ClientConfig) -> &'c mut ClientConfig {
-        config.set("bootstrap.servers", &self.brokers);
-        for (k, v) in &self.properties {
+        let names: Vec<String> = config.config_map().keys().map(|k| (*k).to_owned()).collect();
+        for (k, v) in std::iter::once(("bootstrap.servers", self.brokers.as_str()))
+            .chain(self.properties.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        {
+            let canonical = canonical_property(k);
+            for name in names.iter().filter(|n| canonical_property(n) == canonical) {
+                config.remove(name);
+            }
             config.set(k, v);
         }
         config
@@ -294,12 +349,68 @@ mod tests {
         assert_eq!(e.to_string(), "line 2 of the Kafka properties is not `key=value`");
     }
 
+    /// Every property librdkafka knows (its CONFIGURATION.md for the pinned version), under its own name,
+    /// with a `topic.` prefix and in upper case, with values that would break a guarantee: each is either
+    /// refused, or leaves the guarantees as idem set them in the configuration librdkafka itself holds.
     #[test]
     fn the_guarantees_survive_every_allowed_property() {
+        let fixture = include_str!("../tests/librdkafka-properties.tsv");
+        let pinned = fixture.lines().next().unwrap();
+        let (_, version) = rdkafka::util::get_rdkafka_version();
+        assert!(pinned.contains(&format!("librdkafka {version}:")), "regenerate the list for {version}: {pinned}");
+        let rows: Vec<(&str, &str)> =
+            fixture.lines().filter(|l| !l.starts_with('#')).map(|l| l.split_once('\t').unwrap()).collect();
+        for (alias, target) in rows.iter().filter(|(_, t)| *t != "-") {
+            assert_eq!(canonical_property(alias), *target, "librdkafka's alias {alias} is known");
+        }
+        let guarantees = [
+            "enable.idempotence",
+            "acks",
+            "max.in.flight",
+            "retries",
+            "partitioner",
+            "enable.auto.commit",
+            "enable.auto.offset.store",
+            "auto.offset.reset",
+            "isolation.level",
+            "group.id",
+            "queuing.strategy",
+            "transactional.id",
+        ];
+        let native = |c: &KafkaConnection| {
+            let configs = [ProducerSettings::new(c).client_config(), ConsumerSettings::new(c, "g").client_config()];
+            let natives: Vec<_> = configs.iter().map(ClientConfig::create_native_config).collect();
+            natives.into_iter().map(|n| n.ok().map(|n| guarantees.map(|g| n.get(g).ok()))).collect::<Option<Vec<_>>>()
+        };
+        let base = KafkaConnection::new("b");
+        let expected = native(&base).expect("idem's own configuration is valid");
+        let values = ["1", "0", "-1", "false", "true", "latest", "random", "lifo", "read_uncommitted", "other"];
+        let (mut tried, mut accepted) = (0, 0);
+        for (name, _) in &rows {
+            for form in [name.to_string(), format!("topic.{name}"), name.to_ascii_uppercase()] {
+                for value in values {
+                    tried += 1;
+                    let Ok(c) = base.clone().with_property(&form, value) else { continue };
+                    accepted += 1;
+                    // a value librdkafka refuses stops the start; every configuration it takes keeps them
+                    if let Some(got) = native(&c) {
+                        assert_eq!(got, expected, "{form}={value} changed a guarantee");
+                    }
+                }
+            }
+        }
+        assert!(accepted > tried / 2 && tried > 5_000, "{accepted} of {tried}");
+        for form in ["topic.auto.offset.reset", "topic.partitioner", "topic.acks", "topic.request.required.acks"] {
+            assert!(base.clone().with_property(form, "1").is_err(), "{form} is refused");
+        }
         let c = KafkaConnection::new("b").with_properties("linger.ms=50\nsecurity.protocol=SSL").unwrap();
         let p = ProducerSettings::new(&c).client_config();
         assert_eq!((p.get("enable.idempotence"), p.get("acks")), (Some("true"), Some("all")));
         assert_eq!(p.get("linger.ms"), Some("50"), "a tunable property is the deployment's");
+        let tuned = KafkaConnection::new("b").with_property("queue.buffering.max.ms", "70").unwrap();
+        let p = ProducerSettings::new(&tuned).client_config();
+        assert_eq!((p.get("linger.ms"), p.get("queue.buffering.max.ms")), (None, Some("70")), "one name per property");
+        assert_eq!(p.create_native_config().unwrap().get("linger.ms").unwrap(), "70");
         let consumer = ConsumerSettings::new(&c, "g").client_config();
         assert_eq!(consumer.get("enable.auto.commit"), Some("false"));
         assert_eq!(consumer.get("security.protocol"), Some("SSL"));

@@ -434,6 +434,27 @@ mod tests {
         Fingerprint::of_request("POST", "/x", body.as_bytes())
     }
 
+    /// Issue 32.4, as reproduced: TTL 48 h, a refund's v7 key dated 48 h 20 min before the database's
+    /// clock, so its record (expiring at key time + 48 h) was cleaned up by the database's clock; the host
+    /// checking the retry is 50 minutes behind. The key must be refused, not executed again.
+    #[test]
+    fn a_key_whose_record_the_database_cleaned_up_is_expired_on_a_host_behind_it() {
+        let ttl = crate::TtlPolicy::new(std::time::Duration::from_secs(48 * 3600)).expect("valid");
+        let db_now = DateTime::from_timestamp(1_800_000_000, 0).expect("valid");
+        let key_time = db_now - chrono::Duration::minutes(48 * 60 + 20);
+        let id = uuid::Builder::from_unix_timestamp_millis(
+            u64::try_from(key_time.timestamp_millis()).expect("positive"),
+            &[1; 10],
+        )
+        .into_uuid();
+        let key = IdempotencyKey::parse(&id.to_string()).expect("a key");
+        assert!(ttl.expires_at(key_time) < db_now, "the record is past its expiry by the database's clock");
+        for lag in [0, 10, 50, 59] {
+            let host_now = db_now - chrono::Duration::minutes(lag);
+            assert!(key.is_expired(&ttl, host_now), "a host {lag} min behind refuses the key");
+        }
+    }
+
     /// Issue 24.8: numbers were fingerprinted through f64, so a different request replayed.
     #[test]
     fn numbers_are_fingerprinted_exactly() {

@@ -110,11 +110,15 @@ impl TtlPolicy {
         self.floor(now, ADMISSION_MARGIN, MAX_FUTURE_SKEW)
     }
 
-    /// The oldest creation time a UUID v7 `Idempotency-Key` may carry at `now` when its record is gone:
-    /// `now - ttl`, and during a raise, keys that may have been recorded before it (dated before
-    /// `since + ADMISSION_MARGIN`, the future skew keys may have) only back to `now - from`.
+    /// The oldest creation time a UUID v7 `Idempotency-Key` may carry at `now` when its record is gone: the
+    /// admission floor of events, for the same reasons. The margin covers the checking host's clock lagging
+    /// the database's, by whose clock the cleaner deletes records (it refuses to run more than
+    /// [`ADMISSION_MARGIN`] off): without it, a host 50 minutes behind accepted a key 50 minutes after its
+    /// record was deleted and ran a refund twice (issue 32.4, `model/src/key_window.rs`). During a raise,
+    /// keys dated before `since + MAX_FUTURE_SKEW` keep the old limit: old instances of a rolling deploy up
+    /// to a day long may still have written records of the old retention.
     pub fn key_floor(&self, now: DateTime<Utc>) -> DateTime<Utc> {
-        self.floor(now, Duration::ZERO, ADMISSION_MARGIN)
+        self.admission_floor(now)
     }
 
     /// When something created at `now` expires.

@@ -6,6 +6,8 @@
 //!   between publishing and marking), with receivers deduplicating by `event_id`.
 //! - [`dedup_window`]: the dedup window with a real clock — admission floor and ceiling, row retention,
 //!   cleanup, late admissions — using the domain's own rules (`TtlPolicy::admission`, `retain_until`).
+//! - [`key_window`]: the end of an `Idempotency-Key`'s retention with hosts' clocks off the database's,
+//!   using the domain's key floor (`IdempotencyKey::is_expired`) and `retain_until`.
 //!
 //! Each model has an `Idem` variant — the protocol as the code implements it; every action is named after
 //! the function that performs it — and broken variants, one changed rule each. The tests check every
@@ -18,3 +20,4 @@
 pub mod dedup_window;
 pub mod http_claim;
 pub mod inbox_outbox;
+pub mod key_window;

@@ -5,6 +5,7 @@
 use idem_model::dedup_window::{self, DedupWindow, WindowVariant};
 use idem_model::http_claim::{self, ClaimProtocol, HttpVariant};
 use idem_model::inbox_outbox::{self, InboxOutbox, KafkaVariant};
+use idem_model::key_window::{self, KeyVariant, KeyWindow};
 use std::collections::BTreeSet;
 
 use stateright::{Checker, HasDiscoveries, Model};
@@ -103,4 +104,18 @@ fn a_late_admission_without_the_processed_row_applies_a_duplicate() {
 #[test]
 fn retention_from_processing_time_lets_a_future_dated_duplicate_through() {
     violated(DedupWindow::standard(WindowVariant::RetainFromProcessing), dedup_window::NO_DUPLICATE_APPLIED);
+}
+
+#[test]
+fn a_v7_key_executes_once_whatever_the_hosts_clocks() {
+    let checker = check(KeyWindow::standard(KeyVariant::Idem));
+    assert!(checker.is_done(), "the state space was explored completely");
+    checker.assert_properties();
+}
+
+/// Issue 32.4: without the clock margin, a host behind the database accepts a key after its record was
+/// cleaned up (a refund executed twice).
+#[test]
+fn a_key_floor_without_a_clock_margin_executes_twice() {
+    violated(KeyWindow::standard(KeyVariant::FloorWithoutMargin), key_window::AT_MOST_ONE_EXECUTION);
 }

@@ -763,7 +763,7 @@ async fn a_v7_key_older_than_the_retention_is_refused() -> anyhow::Result<()> {
     assert_eq!(old.status, 422, "{}", String::from_utf8_lossy(&old.body));
     assert_eq!(old.problem_type(), "urn:idem:problem:idempotency-key-expired");
     assert_eq!(api.db.count("payment").await?, 0);
-    let young = api.charge(KEY_A, &v7_ago(47), &charge_body("pi_young_key", "5.00")).await?;
+    let young = api.charge(KEY_A, &v7_ago(46), &charge_body("pi_young_key", "5.00")).await?;
     assert_eq!(young.status, 201);
     let plain = api.charge(KEY_A, "order-1234-attempt", &charge_body("pi_plain_key", "5.00")).await?;
     assert_eq!(plain.status, 201);
@@ -941,8 +941,9 @@ async fn the_key_age_rule_looks_the_record_up_and_refuses_keys_from_the_future()
         "the record expires before the key stops being accepted"
     );
 
-    // first sent 47 h after it was minted, retried 2 h later: the record is alive, so the retry replays
-    let late = idem_tests::v7_at(now - chrono::Duration::hours(47)).to_string();
+    // first sent 46 h after it was minted (inside the hour's margin for clocks), retried 2 h later: the
+    // record is alive, so the retry replays
+    let late = idem_tests::v7_at(now - chrono::Duration::hours(46)).to_string();
     let body = charge_body("pi_late", "1.00");
     let first = api.charge(KEY_A, &late, &body).await?;
     assert_eq!(first.status, 201);
