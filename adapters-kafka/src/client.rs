@@ -157,6 +157,12 @@ impl KafkaConnection {
         Ok(self)
     }
 
+    /// The deployment's value of a property, under whichever of its names it was given.
+    pub fn property(&self, name: &str) -> Option<&str> {
+        let canonical = canonical_property(name);
+        self.properties.iter().find(|(k, _)| canonical_property(k) == canonical).map(|(_, v)| v.as_str())
+    }
+
     /// The bootstrap servers.
     pub fn brokers(&self) -> &str {
         &self.brokers

@@ -77,6 +77,12 @@ impl DeadLetterMessage {
         self.header(EVENT_ID_HEADER).and_then(|v| Uuid::parse_str(&v).ok())
     }
 
+    /// The original payload's size when the dead letter was cut to fit (`dlq.original.size`): its payload
+    /// is only the start of the original, which stays at its source position.
+    pub fn cut_from(&self) -> Option<u64> {
+        self.header(wire::dlq::ORIGINAL_SIZE).and_then(|v| v.parse().ok())
+    }
+
     /// `dlq.consumer.group`.
     pub fn consumer_group(&self) -> Option<String> {
         self.header(wire::dlq::CONSUMER_GROUP)

@@ -45,6 +45,9 @@ pub mod headers {
         pub const CONSUMER_GROUP: &str = "dlq.consumer.group";
         /// When (RFC 3339).
         pub const FAILED_AT: &str = "dlq.failed.at";
+        /// On a dead letter cut to fit (its payload and headers shortened): the original payload's size in
+        /// bytes. The whole message is at its original position.
+        pub const ORIGINAL_SIZE: &str = "dlq.original.size";
     }
 }
 

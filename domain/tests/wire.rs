@@ -97,7 +97,8 @@ fn header_names() {
         headers::dlq::ORIGINAL_OFFSET,
         headers::dlq::CONSUMER_GROUP,
         headers::dlq::FAILED_AT,
+        headers::dlq::ORIGINAL_SIZE,
     ];
     golden("headers.txt", &(names.join("\n") + "\n"));
-    assert!(names.iter().filter(|n| n.starts_with(headers::dlq::PREFIX)).count() == 7);
+    assert!(names.iter().filter(|n| n.starts_with(headers::dlq::PREFIX)).count() == 8);
 }

@@ -82,7 +82,7 @@ use crate::client::{ConsumerSettings, KafkaConnection, ProducerSettings, breaks_
 
 mod admission;
 mod apply;
-mod dead_letters;
+pub mod dead_letters;
 mod errors;
 mod offsets;
 mod received;
@@ -148,6 +148,24 @@ impl RunnerSettings {
             transaction_timeout: Duration::from_secs(60),
         }
     }
+
+    /// The dead-letter producer's configuration: idem's producer with [`Self::dead_letter_max_bytes`].
+    pub fn dead_letter_producer(&self) -> rdkafka::ClientConfig {
+        let mut config = self.producer.client_config();
+        config.set("message.max.bytes", self.dead_letter_max_bytes().to_string());
+        config
+    }
+
+    /// The dead-letter producer's `message.max.bytes`: the largest message the consumer may fetch
+    /// (`fetch.message.max.bytes`, 1 MiB by default) or produce, whichever is larger, plus 64 KiB for the
+    /// provenance headers. A dead letter larger still is sent cut ([`dead_letters`]).
+    pub fn dead_letter_max_bytes(&self) -> usize {
+        let configured = |name: &str, default: usize| {
+            self.producer.connection.property(name).and_then(|v| v.parse().ok()).unwrap_or(default)
+        };
+        let consumer = self.consumer.connection.property("fetch.message.max.bytes").and_then(|v| v.parse().ok());
+        consumer.unwrap_or(1_048_576).max(configured("message.max.bytes", 1_000_000)) + 64 * 1024
+    }
 }
 
 /// The consumer runner.
@@ -204,7 +222,7 @@ impl Runner {
     /// fatally broken is replaced by a new one. Only a configuration the client refuses at creation
     /// returns an error.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), RunnerError> {
-        let producer: FutureProducer = self.settings.producer.client_config().create().map_err(RunnerError::Config)?;
+        let producer: FutureProducer = self.settings.dead_letter_producer().create().map_err(RunnerError::Config)?;
         let mut rejections: HashMap<(i32, i64), u32> = HashMap::new();
         let mut backoff = Backoff::new();
         while !shutdown.is_cancelled() {
@@ -248,6 +266,7 @@ impl Runner {
                 Err(e) => break Consumed::Broken(e),
             };
             self.stats.received.inc_by(batch.len() as u64);
+            self.stats.batch_started.set(self.clock.now().timestamp());
             let span = tracing::info_span!("batch", size = batch.len(), first_offset = batch[0].offset);
             let committed = self.process(producer, &batch, rejections, shutdown).instrument(span).await;
             if !committed {
@@ -257,6 +276,7 @@ impl Runner {
             // Async: a lost commit only means a redelivery, which the processed_event rows dedup.
             done.commit(consumer, CommitMode::Async);
             self.stats.batches.inc_by(1);
+            self.stats.batch_started.set(0);
         };
         // Make the last positions durable before leaving the group (or replacing the consumer).
         done.commit(consumer, CommitMode::Sync);

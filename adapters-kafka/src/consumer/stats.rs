@@ -15,6 +15,11 @@ pub struct ConsumerStats {
     pub duplicates: Counter,
     /// Messages dead-lettered.
     pub dead_lettered: Counter,
+    /// Dead-letter publishes that failed (each retried, or for a permanent error sent cut).
+    pub dead_letter_failures: Counter,
+    /// When the batch in hand was received (Unix seconds), 0 while waiting for messages: a batch that
+    /// neither commits nor rolls back shows here whether or not the client still polls.
+    pub batch_started: Gauge,
     /// Batches committed.
     pub batches: Counter,
     /// Batches rolled back on a transient failure.
@@ -36,6 +41,16 @@ impl ConsumerStats {
         r.register("events_processed", "Events applied (new event ids, committed)", self.processed.clone());
         r.register("events_duplicate", "Events skipped as already processed (same event_id)", self.duplicates.clone());
         r.register("messages_dead_lettered", "Messages sent to the dead-letter topic", self.dead_lettered.clone());
+        r.register(
+            "dead_letter_failures",
+            "Dead-letter publishes that failed (retried; a permanent refusal is sent again cut)",
+            self.dead_letter_failures.clone(),
+        );
+        r.register(
+            "batch_started_timestamp_seconds",
+            "When the batch in hand was received (Unix seconds); 0 while waiting for messages",
+            self.batch_started.clone(),
+        );
         r.register("batches_committed", "Batches committed (database, then offsets)", self.batches.clone());
         r.register(
             "transient_failures",

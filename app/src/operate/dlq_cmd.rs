@@ -172,7 +172,7 @@ async fn dlq_list(args: DlqListArgs) -> anyhow::Result<()> {
     say(&format!("{} dead letters in {} match", matching.len(), args.topics.orders.dlq_topic()));
     let summary: Vec<Vec<String>> = by_reason
         .iter()
-        .map(|(r, (n, first, last))| vec![r.clone(), n.to_string(), time(*first), time(*last)])
+        .map(|(r, (n, first, last))| vec![untrusted(r.as_bytes(), false), n.to_string(), time(*first), time(*last)])
         .collect();
     print_table(&["REASON", "COUNT", "FIRST", "LAST"], &summary);
     say("");
@@ -183,10 +183,13 @@ async fn dlq_list(args: DlqListArgs) -> anyhow::Result<()> {
             vec![
                 position(m).to_string(),
                 time(m.failed_at()),
-                m.reason(),
-                m.source_topic().unwrap_or_default(),
+                untrusted(m.reason().as_bytes(), false),
+                untrusted(m.source_topic().unwrap_or_default().as_bytes(), false),
                 m.event_id().map(|e| e.to_string()).unwrap_or_else(|| "-".into()),
-                short(&m.header(idem_domain::wire::headers::dlq::ERROR).unwrap_or_default(), 60),
+                short(
+                    &untrusted(m.header(idem_domain::wire::headers::dlq::ERROR).unwrap_or_default().as_bytes(), false),
+                    60,
+                ),
             ]
         })
         .collect();
@@ -204,18 +207,45 @@ async fn dlq_show(args: DlqShowArgs) -> anyhow::Result<()> {
         print_json(&dead_letter_json(m, args.payload));
         return Ok(());
     }
-    let mut rows = vec![
-        vec!["position".to_owned(), position(m).to_string()],
-        vec!["key".to_owned(), m.key.as_ref().map(|k| String::from_utf8_lossy(k).into_owned()).unwrap_or_default()],
-        vec!["payload".to_owned(), format!("{} bytes", m.payload.len())],
-    ];
-    rows.extend(m.headers.iter().map(|(k, v)| vec![k.clone(), String::from_utf8_lossy(v).into_owned()]));
-    print_table(&["FIELD", "VALUE"], &rows);
+    print_table(&["FIELD", "VALUE", "FROM"], &show_rows(m));
     if args.payload {
-        say(&String::from_utf8_lossy(&m.payload));
+        say(&untrusted(&m.payload, true));
     }
     Ok(())
 }
+
+/// The rows of `idem dlq show`: every field a producer wrote escaped ([`untrusted`]), and each header
+/// marked `idem` only when it is the consumer's own provenance (the last occurrence of a `dlq.*` name it
+/// writes), `producer` otherwise — a lookalike such as `dIq.original.topic` is the producer's.
+fn show_rows(m: &DeadLetterMessage) -> Vec<Vec<String>> {
+    let own = |i: usize, k: &str| PROVENANCE.contains(&k) && !m.headers[i + 1..].iter().any(|(later, _)| later == k);
+    let mut rows = vec![
+        vec!["position".to_owned(), position(m).to_string(), "idem".to_owned()],
+        vec![
+            "key".to_owned(),
+            m.key.as_deref().map(|k| untrusted(k, false)).unwrap_or_default(),
+            "producer".to_owned(),
+        ],
+        vec!["payload".to_owned(), format!("{} bytes", m.payload.len()), "producer".to_owned()],
+    ];
+    rows.extend(m.headers.iter().enumerate().map(|(i, (k, v))| {
+        let from = if own(i, k) { "idem" } else { "producer" };
+        vec![untrusted(k.as_bytes(), false), untrusted(v, false), from.to_owned()]
+    }));
+    rows
+}
+
+/// The provenance headers the consumer writes.
+const PROVENANCE: &[&str] = &[
+    idem_domain::wire::headers::dlq::REASON,
+    idem_domain::wire::headers::dlq::ERROR,
+    idem_domain::wire::headers::dlq::ORIGINAL_TOPIC,
+    idem_domain::wire::headers::dlq::ORIGINAL_PARTITION,
+    idem_domain::wire::headers::dlq::ORIGINAL_OFFSET,
+    idem_domain::wire::headers::dlq::CONSUMER_GROUP,
+    idem_domain::wire::headers::dlq::FAILED_AT,
+    idem_domain::wire::headers::dlq::ORIGINAL_SIZE,
+];
 
 /// The next batch of `reader` (off the async workers); empty at the end.
 async fn next_dead_letters(reader: dlq::Reader) -> anyhow::Result<(dlq::Reader, Vec<DeadLetterMessage>)> {
@@ -284,6 +314,10 @@ async fn dlq_redrive(args: DlqRedriveArgs) -> anyhow::Result<()> {
                 skipped.push(skip("older than the dedup window: needs --admit-late (then applied at most once)"));
             } else if m.source_topic().is_none() {
                 skipped.push(skip("no dlq.original.topic header"));
+            } else if let Some(size) = m.cut_from() {
+                skipped.push(skip(&format!(
+                    "cut to fit the dead-letter topic (the original has {size} bytes): re-produce it from its source position"
+                )));
             } else if m.source_topic().as_deref() != Some(target) && args.to_topic.is_none() {
                 skipped.push(skip(&format!(
                 "its source topic is not {target}, the topic this consumer reads: name a topic with --to-topic to re-drive it there"
@@ -345,4 +379,41 @@ async fn dlq_redrive(args: DlqRedriveArgs) -> anyhow::Result<()> {
     }
     anyhow::ensure!(failed.is_empty(), "{} dead letters could not be re-driven", failed.len());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 38.4: a dead letter with planted escape sequences and a lookalike provenance header: every
+    /// cell is free of controls, and only the consumer's own provenance is marked `idem`.
+    #[test]
+    fn show_escapes_what_producers_wrote_and_marks_whose_headers_are_whose() {
+        let m = DeadLetterMessage {
+            partition: 0,
+            offset: 7,
+            key: Some(b"\x1b]0;owned\x07".to_vec()),
+            payload: b"{}".to_vec(),
+            headers: vec![
+                ("dIq.original.topic".into(), b"payments".to_vec()),
+                ("dlq.reason".into(), b"forged-before".to_vec()),
+                ("x-note".into(), b"\x1b[2Jall dead letters re-driven OK".to_vec()),
+                ("dlq.reason".into(), b"malformed".to_vec()),
+                ("dlq.original.topic".into(), b"orders".to_vec()),
+            ],
+        };
+        let rows = show_rows(&m);
+        for cell in rows.iter().flatten() {
+            assert!(!cell.chars().any(char::is_control), "{cell:?}");
+        }
+        let from = |field: &str, value: &str| {
+            rows.iter().find(|r| r[0] == field && r[1] == value).map(|r| r[2].clone()).unwrap_or_default()
+        };
+        assert_eq!(from("dIq.original.topic", "payments"), "producer");
+        assert_eq!(from("dlq.reason", "forged-before"), "producer");
+        assert_eq!(from("dlq.reason", "malformed"), "idem");
+        assert_eq!(from("dlq.original.topic", "orders"), "idem");
+        assert_eq!(from("x-note", "\\u{1b}[2Jall dead letters re-driven OK"), "producer");
+        assert_eq!(from("key", "\\u{1b}]0;owned\\u{7}"), "producer");
+    }
 }

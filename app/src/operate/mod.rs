@@ -30,7 +30,7 @@ pub use dlq_cmd::{DlqCommand, dlq};
 pub use keys::{KeysCommand, keys};
 pub use outbox::{OutboxCommand, outbox};
 pub use output::Progress;
-use output::{print_json, print_table, say, short, time};
+use output::{print_json, print_table, say, short, time, untrusted};
 
 /// A position in the dead-letter topic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

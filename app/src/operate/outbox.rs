@@ -73,7 +73,7 @@ pub async fn outbox(command: OutboxCommand) -> anyhow::Result<()> {
                             time(Some(r.created_at)),
                             r.attempts.to_string(),
                             time(r.quarantined_at),
-                            short(r.last_error.as_deref().unwrap_or("-"), 60),
+                            short(&untrusted(r.last_error.as_deref().unwrap_or("-").as_bytes(), false), 60),
                         ]
                     })
                     .collect();

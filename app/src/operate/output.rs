@@ -86,6 +86,40 @@ pub(super) fn short(text: &str, max: usize) -> String {
     }
 }
 
+/// Characters that change how a terminal shows text without being visible themselves: Unicode's format
+/// characters (bidirectional overrides and isolates, zero-width ones, the byte-order mark, tags).
+fn is_format(c: char) -> bool {
+    matches!(c as u32,
+        0xAD | 0x600..=0x605 | 0x61C | 0x6DD | 0x70F | 0x180E | 0x200B..=0x200F | 0x202A..=0x202E
+        | 0x2060..=0x2064 | 0x2066..=0x206F | 0xFEFF | 0xFFF9..=0xFFFB | 0xE0001 | 0xE0020..=0xE007F)
+}
+
+/// Text from a producer (a key, a header, a payload, an error that quotes one) made safe to print to an
+/// operator's terminal: C0 and C1 controls, DEL and format characters are shown as `\u{…}` escapes (an
+/// escape sequence can set the window title, clear the screen or print a fake result; a bidi override can
+/// reorder what is shown), bytes that are not UTF-8 as `\xNN`, and a backslash as `\\` so no escape can
+/// be forged. `keep_lines` keeps newlines and tabs (a payload); a table cell escapes them too.
+pub(super) fn untrusted(bytes: &[u8], keep_lines: bool) -> String {
+    use std::fmt::Write;
+    let mut out = String::with_capacity(bytes.len());
+    for chunk in bytes.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            match c {
+                '\\' => out.push_str("\\\\"),
+                '\n' | '\t' if keep_lines => out.push(c),
+                c if c.is_control() || is_format(c) => {
+                    let _ = write!(out, "\\u{{{:x}}}", c as u32);
+                }
+                c => out.push(c),
+            }
+        }
+        for b in chunk.invalid() {
+            let _ = write!(out, "\\x{b:02x}");
+        }
+    }
+    out
+}
+
 pub(super) fn time(t: Option<DateTime<Utc>>) -> String {
     t.map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)).unwrap_or_else(|| "-".into())
 }
@@ -93,6 +127,21 @@ pub(super) fn time(t: Option<DateTime<Utc>>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 38.4: what a producer planted (a window title, a screen clear, a bidi override, invalid
+    /// UTF-8, a forged escape) reaches the terminal as visible escapes; ordinary text is unchanged.
+    #[test]
+    fn untrusted_text_cannot_drive_the_terminal() {
+        let planted = b"\x1b]0;pwned\x07\x1b[2J\x1b[Hall dead letters re-driven OK\r\n\xc2\x9b31m\xe2\x80\xaegnp.exe\x7f\xff\\u{1b}";
+        let shown = untrusted(planted, false);
+        assert!(shown.chars().all(|c| !c.is_control() && !is_format(c)), "{shown:?}");
+        assert_eq!(
+            shown,
+            "\\u{1b}]0;pwned\\u{7}\\u{1b}[2J\\u{1b}[Hall dead letters re-driven OK\\u{d}\\u{a}\\u{9b}31m\\u{202e}gnp.exe\\u{7f}\\xff\\\\u{1b}"
+        );
+        assert_eq!(untrusted("Zürich order 42\tok".as_bytes(), true), "Zürich order 42\tok");
+        assert_eq!(untrusted(b"a\nb", false), "a\\u{a}b");
+    }
 
     /// Every column starts at the same character offset on every line, wide cells (an ellipsis, a
     /// multi-byte name) included, and no line ends in padding.

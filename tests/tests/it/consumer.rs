@@ -871,3 +871,48 @@ async fn the_dead_letter_reader_streams_bounded_batches() -> anyhow::Result<()> 
     assert_eq!(sizes.iter().sum::<usize>(), 1200, "{sizes:?}");
     Ok(())
 }
+
+/// Issue 38.1: a payload near the producer's limit is accepted by the broker, but its dead-letter copy (with
+/// the provenance headers) exceeded the dead-letter producer's `message.max.bytes`: the runner retried it
+/// for ever, never committed, never polled again, and orders produced after it were never applied. Now the
+/// dead-letter producer takes what the consumer can fetch plus room for the provenance, and a message
+/// larger still (1.5 MB from a producer allowed 2 MB) is dead-lettered cut, its original size and
+/// position recorded. The orders after both are applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_near_limit_message_is_dead_lettered_and_later_orders_are_applied() -> anyhow::Result<()> {
+    let (db, brokers, topic) = setup(1).await?;
+    let p = producer(&brokers)?;
+    let large: rdkafka::producer::FutureProducer =
+        idem_kafka::ProducerSettings::new(&brokers).client_config().set("message.max.bytes", "2000000").create()?;
+    let order = Uuid::now_v7();
+    let (near_id, huge_id) = (Uuid::now_v7().to_string(), Uuid::now_v7().to_string());
+    let near = vec![b'x'; 999_850];
+    let huge = vec![b'y'; 1_500_000];
+    produce(&p, &topic, Some(&order.to_string()), &near, &[("event_id", near_id.as_bytes())]).await?;
+    produce(&large, &topic, Some(&order.to_string()), &huge, &[("event_id", huge_id.as_bytes())]).await?;
+    let running = start(Arc::new(db.store.clone()), settings(&brokers, &unique_topic("g"), &topic, 1));
+    let stats = running.stats.clone();
+    // valid orders in later batches, produced after the runner is already on the large ones
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for n in 0..3 {
+        let o = Uuid::now_v7();
+        send(&p, &topic, o, Uuid::now_v7(), &placed(o, &format!("pi_after_large_{n}"), 1)).await?;
+    }
+    let applied = payments_reach(&db, 3, Duration::from_secs(60)).await?;
+    let dead = stats.dead_lettered.get();
+    running.stop().await;
+    assert!(applied, "the orders after the large messages were not applied ({dead} dead-lettered)");
+    applied_once_each(&db, 3).await?;
+    assert_eq!(dead, 2);
+    let dlq = read_topic(&brokers, &format!("{topic}.dlq"), 2, Duration::from_secs(30)).await?;
+    assert_eq!(dlq.len(), 2);
+    let (whole, cut) = (&dlq[0], &dlq[1]);
+    assert_eq!(whole.header("event_id").as_deref(), Some(near_id.as_str()));
+    assert_eq!((whole.payload.len(), whole.header("dlq.original.size")), (near.len(), None), "sent whole");
+    assert_eq!(cut.header("event_id").as_deref(), Some(huge_id.as_str()));
+    assert_eq!(cut.header("dlq.reason").as_deref(), Some("malformed"));
+    assert_eq!(cut.header("dlq.original.size").as_deref(), Some("1500000"));
+    assert_eq!(cut.header("dlq.original.offset").as_deref(), Some("1"));
+    assert!(cut.payload.len() < 100_000 && huge.starts_with(&cut.payload), "cut, not altered: {}", cut.payload.len());
+    Ok(())
+}
