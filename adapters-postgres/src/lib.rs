@@ -421,7 +421,16 @@ impl TransactionManager for PgStore {
             return Ok(None);
         }
         let mut conn = self.transactions.plain().await.map_err(map_sqlx_error)?;
-        let row = repos::idempotency::read(conn.connection(), scope, key).await.map_err(map_sqlx_error)?;
+        // bounded like every step on a connection: a black-holed one costs this, not the request's timeout
+        let read = repos::idempotency::read(conn.connection(), scope, key);
+        let row = match tokio::time::timeout(self.transactions.step_timeout(), read).await {
+            Ok(row) => row.map_err(map_sqlx_error)?,
+            Err(_) => {
+                self.transactions.discard_idle(); // and this one is dropped unreleased: closed
+                return Err(map_sqlx_error(sqlx::Error::PoolTimedOut));
+            }
+        };
+        conn.release();
         match row.map(repos::idempotency::RecordRow::into_record).transpose()? {
             Some(record) if record.state == idem_ports::IdempotencyState::Completed => Ok(Some(record)),
             _ => Ok(None),

@@ -105,9 +105,24 @@ impl TxPool {
         self.take(true).await
     }
 
-    /// A connection without a transaction (a single read); it goes back to the pool when dropped.
+    /// A connection without a transaction (a single read). It goes back to the pool only through
+    /// [`TxConnection::release`], once the read completed: dropped before that (the request was cancelled
+    /// mid-read, the read failed or hung), it is closed, since its socket may be mid-message or black-holed.
     pub(crate) async fn plain(&self) -> Result<TxConnection, sqlx::Error> {
         self.take(false).await
+    }
+
+    /// Closes the resting connections: one step just hung on a connection, and the others most likely went
+    /// the same way (a failover that black-holes the old path), so each need not cost its own step bound.
+    pub(crate) fn discard_idle(&self) {
+        for idle in self.inner.drain_idle() {
+            close_bounded(idle.conn, self.inner.bounds.step_timeout);
+        }
+    }
+
+    /// The bound of one step on a connection (`DATABASE_STEP_TIMEOUT`).
+    pub(crate) fn step_timeout(&self) -> Duration {
+        self.inner.bounds.step_timeout
     }
 
     async fn take(&self, begin: bool) -> Result<TxConnection, sqlx::Error> {
@@ -154,6 +169,7 @@ impl TxPool {
                         opened,
                         inner: self.inner.clone(),
                         permit: Some(permit),
+                        released: false,
                     });
                 }
                 // nothing ran: a reused connection that fails or hangs here (it died while idle, or the
@@ -199,6 +215,8 @@ pub(crate) struct TxConnection {
     inner: Arc<Inner>,
     /// Released after the connection is back in the pool (or closed).
     permit: Option<OwnedSemaphorePermit>,
+    /// A plain connection's read completed ([`TxConnection::release`]): it may be reused.
+    released: bool,
 }
 
 impl std::fmt::Debug for TxConnection {
@@ -211,6 +229,11 @@ impl TxConnection {
     pub(crate) fn connection(&mut self) -> &mut PgConnection {
         #[allow(clippy::expect_used)] // taken only by commit, rollback and drop, which consume self
         self.conn.as_mut().expect("the connection is present until the transaction ends")
+    }
+
+    /// Returns a plain connection whose operation completed to the pool.
+    pub(crate) fn release(mut self) {
+        self.released = true;
     }
 
     pub(crate) async fn commit(mut self) -> Result<(), sqlx::Error> {
@@ -238,7 +261,14 @@ impl Drop for TxConnection {
     fn drop(&mut self) {
         let Some(mut conn) = self.conn.take() else { return };
         if Manager::get_transaction_depth(&conn) == 0 {
-            self.inner.put(conn, self.opened);
+            if self.released {
+                self.inner.put(conn, self.opened);
+            } else {
+                // an operation outside a transaction that did not complete (cancelled by the request's
+                // timeout, failed, hung on a black-holed path): its socket may be mid-message or dead, and
+                // a connection returned moments ago is handed out again unpinged, so it is never reused
+                close_bounded(conn, self.inner.bounds.step_timeout);
+            }
             return;
         }
         // Dropped with its transaction open: roll back before the connection can be taken again. A

@@ -259,7 +259,7 @@ async fn kafka_properties_that_break_guarantees_are_refused_at_start() -> anyhow
 /// reused connection and the rollback of an abandoned one had no bound, so every slot hung on a frozen
 /// connection until the kernel gave up (~15 min).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_frozen_database_path_fails_over_within_seconds_and_loses_no_slot() -> anyhow::Result<()> {
+async fn a_frozen_database_path_serves_new_charges_within_seconds_and_loses_no_slot() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     log_payment_attempts(&db).await?;
     let upstream: u16 = db.store.pool().connect_options().get_port();
@@ -316,6 +316,79 @@ async fn a_frozen_database_path_fails_over_within_seconds_and_loses_no_slot() ->
     assert!(proxy.frozen() >= 6, "the freeze caught {} connections only", proxy.frozen());
     assert_eq!(charges_executed_twice(&db).await?, vec![], "a charge was executed twice");
     Ok(())
+}
+
+/// Issue 32.2: one client retries a completed key every 200 ms while the database path freezes (pool of 2,
+/// `HTTP_REQUEST_TIMEOUT=3s`). Before: with the replay fast path on (`always`, or `adaptive`, which a
+/// retry storm turns on) the fast path's read was cancelled by the request timeout, its connection went
+/// back to the top of the pool un-pinged, and every later request took it again and answered 503 for as
+/// long as the traffic lasted. Now a connection whose operation did not complete is closed, the read is
+/// bounded by `DATABASE_STEP_TIMEOUT`, and replays resume within seconds in every mode.
+async fn replays_resume_after_a_freeze(mode: &str) -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let upstream: u16 = db.store.pool().connect_options().get_port();
+    let proxy = FreezingProxy::start(upstream).await?;
+    let through = db.url.replacen(&format!(":{upstream}/"), &format!(":{}/", proxy.port), 1);
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&through, &brokers)
+        .with_env("DATABASE_MAX_CONNECTIONS", "2")
+        .with_env("HTTP_REQUEST_TIMEOUT", "3s")
+        .with_env("IDEMPOTENCY_REPLAY_FAST_PATH", mode);
+    service.start().await?;
+    let (url, key) = (format!("{}/payments", service.base), IdemClient::new_key());
+    let body = serde_json::to_vec(&charge_request(&format!("replay-freeze-{mode}")))?;
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?;
+    let send = || {
+        http.post(&url)
+            .header("Idempotency-Key", &key)
+            .header("Authorization", format!("Bearer {}", harness::API_KEY))
+            .header("Content-Type", "application/json")
+            .body(body.clone())
+            .send()
+    };
+    assert_eq!(send().await?.status(), 201);
+    let started = Instant::now();
+    let (mut frozen_at, mut answers) = (None, Vec::new());
+    while started.elapsed() < Duration::from_secs(20) {
+        if frozen_at.is_none() && started.elapsed() > Duration::from_secs(3) {
+            proxy.freeze();
+            frozen_at = Some(Instant::now());
+        }
+        let sent = Instant::now();
+        let reply = send().await;
+        let replayed =
+            reply.as_ref().is_ok_and(|r| r.status() == 201 && r.headers().contains_key("idempotent-replayed"));
+        answers.push((frozen_at.map(|f| sent.saturating_duration_since(f)), replayed));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let after: Vec<_> = answers.iter().filter_map(|(since, ok)| since.map(|s| (s, *ok))).collect();
+    let failed_late: Vec<_> = after.iter().filter(|(s, ok)| *s > Duration::from_secs(6) && !ok).collect();
+    let late = after.iter().filter(|(s, _)| *s > Duration::from_secs(6)).count();
+    println!(
+        "{mode}: {} answers after the freeze, {} of the {late} sent 6 s after it failed",
+        after.len(),
+        failed_late.len()
+    );
+    assert!(answers.iter().filter(|(s, _)| s.is_none()).all(|(_, ok)| *ok), "replays failed before the freeze");
+    assert!(late >= 3, "only {late} requests after the recovery window");
+    assert!(failed_late.is_empty(), "{mode}: {} of {late} requests 6 s after the freeze failed", failed_late.len());
+    assert!(proxy.frozen() >= 1, "the freeze caught no connection");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_resume_after_a_freeze_with_the_fast_path_always() -> anyhow::Result<()> {
+    replays_resume_after_a_freeze("always").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_resume_after_a_freeze_with_the_fast_path_adaptive() -> anyhow::Result<()> {
+    replays_resume_after_a_freeze("adaptive").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_resume_after_a_freeze_with_the_fast_path_never() -> anyhow::Result<()> {
+    replays_resume_after_a_freeze("never").await
 }
 
 use sqlx::Connection;

@@ -1074,7 +1074,7 @@ async fn refusals_roll_back_unless_committed_on_purpose() -> anyhow::Result<()> 
 /// PostgreSQL, no claim transaction (before: BEGIN, the claim, the read and ROLLBACK) — while a different
 /// request with the key still goes the full way and conflicts.
 #[tokio::test]
-async fn a_replay_of_a_completed_key_costs_one_read() -> anyhow::Result<()> {
+async fn a_replay_of_a_completed_key_costs_one_round_trip() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let (proxy, proxied) = db.proxied().await?;
     let settings = idem_postgres::PoolSettings { max_connections: 1, ..Default::default() };
