@@ -9,6 +9,7 @@
 
 pub mod cleanup;
 mod error;
+pub mod guard;
 pub mod operations;
 mod repos;
 mod txpool;
@@ -412,6 +413,14 @@ impl PgStore {
 impl TransactionManager for PgStore {
     async fn begin(&self) -> Result<Box<dyn UnitOfWork>, StoreError> {
         Ok(Box::new(self.begin_pg().await?))
+    }
+
+    /// Checked against `idem_setting` ([`guard`]).
+    async fn check_consumer(
+        &self,
+        consumer: &idem_ports::ConsumerIdentity,
+    ) -> Result<Option<idem_ports::RetentionRaise>, idem_ports::SettingsCheckError> {
+        self.check_consumer_settings(consumer).await
     }
 
     /// One read on a pooled connection, no transaction. Behind a transaction pooler `None` (the full path):

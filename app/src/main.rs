@@ -3,7 +3,6 @@
 
 mod config;
 mod demo;
-mod guard;
 mod operate;
 mod ops;
 mod serve;

@@ -135,24 +135,36 @@ async fn warn_without_synchronous_standby(store: &PgStore) {
     }
 }
 
-/// The settings dedup depends on, checked against the ones recorded at earlier starts (`guard`).
-async fn check_settings(store: &PgStore, args: &ServeArgs) -> anyhow::Result<crate::guard::Checked> {
-    let wanted = crate::guard::Wanted {
-        group: &args.orders.group_id,
-        topic: &args.orders.orders_topic,
-        dedup_storage: match args.dedup_storage {
-            DedupStorageArg::Table => "table",
-            DedupStorageArg::Partitioned => "partitioned",
-        },
-        dedup_ttl: args.dedup_ttl,
-        idempotency_ttl: args.idempotency_ttl,
-        accept: &args.accept_setting_change,
+/// The retentions a start runs with, each with its raise while it matters.
+#[derive(Debug, Clone, Copy)]
+struct Checked {
+    dedup_ttl: idem_domain::TtlPolicy,
+    idempotency_ttl: idem_domain::TtlPolicy,
+}
+
+/// The settings dedup depends on, checked by the toolkit's guard (`idem_postgres::guard`) against the ones
+/// recorded at earlier starts — the check every consumer runner makes before it consumes, made here once
+/// more before anything listens, so a refused change stops the start.
+async fn check_settings(store: &PgStore, args: &ServeArgs) -> anyhow::Result<Checked> {
+    let now = SystemClock.now();
+    let consumer = idem_ports::ConsumerIdentity {
+        group: args.orders.group_id.clone(),
+        topic: args.orders.orders_topic.clone(),
+        dedup_ttl: args.dedup_ttl.ttl(),
+        accept: args.accept_setting_change.clone(),
+        now,
     };
-    crate::guard::check(store, &wanted, SystemClock.now()).await
+    let raised = |ttl: idem_domain::TtlPolicy, raise: Option<idem_ports::RetentionRaise>| match raise {
+        Some(r) => ttl.raised_from(r.from, r.since),
+        None => ttl,
+    };
+    let dedup = store.check_consumer_settings(&consumer).await.map_err(|e| anyhow::anyhow!(e))?;
+    let keys = store.check_idempotency_ttl(args.idempotency_ttl.ttl(), now).await?;
+    Ok(Checked { dedup_ttl: raised(args.dedup_ttl, dedup), idempotency_ttl: raised(args.idempotency_ttl, keys) })
 }
 
 /// The payment API behind the idempotency layer, its metrics registered.
-fn api(args: &ServeArgs, store: &PgStore, checked: &crate::guard::Checked, registry: &mut Registry) -> axum::Router {
+fn api(args: &ServeArgs, store: &PgStore, checked: &Checked, registry: &mut Registry) -> axum::Router {
     let http_metrics = HttpMetrics::default();
     http_metrics.register(registry);
     let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
@@ -191,7 +203,7 @@ fn order_consumer(
     args: &ServeArgs,
     cluster: &KafkaConnection,
     store: &PgStore,
-    checked: &crate::guard::Checked,
+    checked: &Checked,
     registry: &mut Registry,
 ) -> Runner {
     let mut settings =
@@ -202,6 +214,7 @@ fn order_consumer(
     settings.max_rejections = args.max_rejections;
     settings.consumer.session_timeout = args.session_timeout;
     settings.consumer.max_poll_interval = args.max_poll_interval;
+    settings.accept_setting_changes = args.accept_setting_change.clone();
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let ids: Arc<dyn IdGenerator> = Arc::new(UuidV7Generator);
     let handler = Arc::new(OrderEventHandler {

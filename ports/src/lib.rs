@@ -23,8 +23,9 @@ pub use records::{
     SagaStepClaim, StoredResponse,
 };
 pub use repositories::{
-    IdempotencyRepository, OutboxRepository, OutboxWakeup, PaymentRepository, PaymentUnitOfWork, PaymentsOf,
-    ProcessedEventRepository, ProjectionRepository, SagaStepRepository, TransactionManager, UnitOfWork,
+    ConsumerIdentity, IdempotencyRepository, OutboxRepository, OutboxWakeup, PaymentRepository, PaymentUnitOfWork,
+    PaymentsOf, ProcessedEventRepository, ProjectionRepository, RetentionRaise, SagaStepRepository, SettingsCheckError,
+    TransactionManager, UnitOfWork,
 };
 #[cfg(any(test, feature = "mocks"))]
 pub use repositories::{

@@ -28,6 +28,51 @@ pub trait TransactionManager: Send + Sync {
     async fn completed_record(&self, _scope: &str, _key: &str) -> Result<Option<IdempotencyRecord>, StoreError> {
         Ok(None)
     }
+
+    /// Checks what a consumer is about to consume with against what earlier starts recorded, and records
+    /// it: a renamed group for the same topic (it would start from the earliest offset with no processed
+    /// rows) or a switched dedup storage (its rows are not read) is [`SettingsCheckError::Refused`] unless
+    /// the change is in `accept`; a raised dedup retention is recorded, and returned while it still
+    /// matters (ids dated before it keep the old limits). The consumer runner calls it before it consumes.
+    /// A store that records no settings checks nothing (the default).
+    async fn check_consumer(&self, _consumer: &ConsumerIdentity) -> Result<Option<RetentionRaise>, SettingsCheckError> {
+        Ok(None)
+    }
+}
+
+/// What a consumer runs with, for [`TransactionManager::check_consumer`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConsumerIdentity {
+    /// The consumer group.
+    pub group: String,
+    /// The topic it reads.
+    pub topic: String,
+    /// Its dedup retention.
+    pub dedup_ttl: Duration,
+    /// Changes accepted deliberately: `consumer-group`, `dedup-storage`.
+    pub accept: Vec<String>,
+    /// Now, by the caller's clock (when a change takes effect).
+    pub now: DateTime<Utc>,
+}
+
+/// A retention raised from `from` at `since`: rows written before kept `from`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetentionRaise {
+    /// The retention before.
+    pub from: Duration,
+    /// When the larger one took effect.
+    pub since: DateTime<Utc>,
+}
+
+/// Why a consumer may not start with its settings.
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsCheckError {
+    /// A change that would apply processed events again, with what to do.
+    #[error("{0}")]
+    Refused(String),
+    /// The recorded settings could not be read or written.
+    #[error(transparent)]
+    Store(#[from] StoreError),
 }
 
 /// One database transaction and the repositories bound to it.

@@ -6,6 +6,10 @@ pub enum RunnerError {
     #[error("invalid Kafka consumer configuration (fix the settings and restart): {0}")]
     /// librdkafka refused the configuration.
     Config(rdkafka::error::KafkaError),
+    /// The settings would apply processed events again (a renamed group, a switched dedup storage):
+    /// refused before consuming, with what to do.
+    #[error("{0}")]
+    Settings(String),
 }
 
 /// What the runner does with an error the Kafka client reported while consuming.

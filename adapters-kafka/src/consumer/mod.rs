@@ -130,6 +130,14 @@ pub struct RunnerSettings {
     /// connection black-holed by a failover, with no RST to end the wait) is abandoned: rolled back unless
     /// its commit was under way, and retried; the processed-event rows make the retry safe either way.
     pub transaction_timeout: Duration,
+    /// Setting changes accepted deliberately (`consumer-group`, `dedup-storage`). Before it consumes, the
+    /// runner checks its group, topic, dedup storage and dedup retention against what earlier starts
+    /// recorded in the store (`TransactionManager::check_consumer`): **renaming the group** of a topic
+    /// would start a group with no processed rows from the earliest offset and apply every event in the
+    /// topic again, and **switching the dedup storage** would not read the rows that record what was
+    /// processed, so both are refused ([`RunnerError::Settings`]) unless accepted here — after copying
+    /// the old group's rows (README, "Changing settings"). A raised `dedup_ttl` is recorded and handled.
+    pub accept_setting_changes: Vec<String>,
 }
 
 impl RunnerSettings {
@@ -146,6 +154,7 @@ impl RunnerSettings {
             max_rejections: 3,
             dedup_ttl,
             transaction_timeout: Duration::from_secs(60),
+            accept_setting_changes: Vec::new(),
         }
     }
 
@@ -221,7 +230,11 @@ impl Runner {
     /// (`idem_consumer_kafka_errors`) and waited out with backoff; a consumer instance the client declares
     /// fatally broken is replaced by a new one. Only a configuration the client refuses at creation
     /// returns an error.
-    pub async fn run(self, shutdown: CancellationToken) -> Result<(), RunnerError> {
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), RunnerError> {
+        let Some(raise) = self.check_settings(&shutdown).await? else { return Ok(()) };
+        if let Some(r) = raise {
+            self.settings.dedup_ttl = self.settings.dedup_ttl.raised_from(r.from, r.since);
+        }
         let producer: FutureProducer = self.settings.dead_letter_producer().create().map_err(RunnerError::Config)?;
         let mut rejections: HashMap<(i32, i64), u32> = HashMap::new();
         let mut backoff = Backoff::new();
@@ -249,6 +262,37 @@ impl Runner {
         }
         tracing::info!(topic = %self.settings.topic, "consumer stopped");
         Ok(())
+    }
+
+    /// The settings check of [`RunnerSettings::accept_setting_changes`], retried while the store is
+    /// unreachable; `None` on shutdown.
+    async fn check_settings(
+        &self,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<Option<idem_ports::RetentionRaise>>, RunnerError> {
+        let mut backoff = Backoff::new();
+        loop {
+            let identity = idem_ports::ConsumerIdentity {
+                group: self.settings.consumer.group_id.clone(),
+                topic: self.settings.topic.clone(),
+                dedup_ttl: self.settings.dedup_ttl.ttl(),
+                accept: self.settings.accept_setting_changes.clone(),
+                now: self.clock.now(),
+            };
+            match self.tm.check_consumer(&identity).await {
+                Ok(raise) => return Ok(Some(raise)),
+                Err(idem_ports::SettingsCheckError::Refused(why)) => {
+                    tracing::error!(topic = %self.settings.topic, group = %self.settings.consumer.group_id, "{why}");
+                    return Err(RunnerError::Settings(why));
+                }
+                Err(idem_ports::SettingsCheckError::Store(e)) => {
+                    tracing::warn!(error = %e, "cannot check the consumer's recorded settings; retrying");
+                    if !backoff.wait(shutdown).await {
+                        return Ok(None);
+                    }
+                }
+            }
+        }
     }
 
     async fn consume(

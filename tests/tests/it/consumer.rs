@@ -916,3 +916,63 @@ async fn a_near_limit_message_is_dead_lettered_and_later_orders_are_applied() ->
     assert!(cut.payload.len() < 100_000 && huge.starts_with(&cut.payload), "cut, not altered: {}", cut.payload.len());
     Ok(())
 }
+
+/// Issue 32.1: a service on the toolkit (no `idem serve`) renames its consumer group for a "v2" deploy.
+/// Before: the new group started from the earliest offset with no processed rows, and every event was
+/// applied a second time (3,000 credits for 1,500 event ids in the review). Now every runner checks its
+/// group, topic and dedup storage against what earlier starts recorded, refuses the rename with the
+/// binary's text, and applies nothing; accepting the change explicitly lets it run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_toolkit_runner_refuses_a_renamed_group_instead_of_applying_everything_again() -> anyhow::Result<()> {
+    use idem_tests::effects::{CountingHandler, create_application_log};
+    let (db, brokers, topic) = setup(1).await?;
+    create_application_log(&db).await?;
+    let p = producer(&brokers)?;
+    let n = 60;
+    for _ in 0..n {
+        let id = Uuid::now_v7();
+        send(&p, &topic, id, id, b"bonus").await?;
+    }
+    let applications = || async {
+        anyhow::Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM test_application").fetch_one(db.pool()).await?)
+    };
+    let run = |group: &str, accept: &[&str]| {
+        let mut s = settings(&brokers, group, &topic, 20);
+        s.accept_setting_changes = accept.iter().map(|a| (*a).to_owned()).collect();
+        let runner = Runner::new(s, Arc::new(db.store.clone()), Arc::new(SystemClock), Arc::new(CountingHandler));
+        let stop = CancellationToken::new();
+        (stop.clone(), tokio::spawn(runner.run(stop)))
+    };
+    let (stop, v1) = run("wallet", &[]);
+    assert!(eventually(Duration::from_secs(60), || async { Ok(applications().await? >= n) }).await?);
+    stop.cancel();
+    v1.await??;
+
+    let (stop, v2) = run("wallet-v2", &[]);
+    let refused = tokio::time::timeout(Duration::from_secs(20), v2).await;
+    stop.cancel();
+    let applied = applications().await?;
+    let error = match refused {
+        Ok(Ok(Err(e))) => e.to_string(),
+        other => panic!("the renamed group ran ({applied} applications of {n} events): {other:?}"),
+    };
+    assert!(error.contains("KAFKA_GROUP_ID changed from wallet to wallet-v2"), "{error}");
+    assert!(error.contains("consumer-group"), "{error}");
+    assert_eq!(applied, n, "events applied again under the new group");
+
+    // accepted deliberately (after copying the old group's rows, as the refusal says): it runs
+    sqlx::query(
+        "INSERT INTO processed_event SELECT 'wallet-v2', event_id, topic, created_at, expires_at
+         FROM processed_event WHERE consumer_name = 'wallet'",
+    )
+    .execute(db.pool())
+    .await?;
+    let (stop, v2) = run("wallet-v2", &["consumer-group"]);
+    let last = Uuid::now_v7();
+    send(&p, &topic, last, last, b"bonus").await?;
+    assert!(eventually(Duration::from_secs(60), || async { Ok(applications().await? > n) }).await?);
+    stop.cancel();
+    v2.await??;
+    assert_eq!(applications().await?, n + 1, "only the new event was applied");
+    Ok(())
+}
