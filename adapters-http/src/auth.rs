@@ -41,7 +41,14 @@ pub struct Merchant(pub Arc<str>);
 pub struct ApiKeys {
     by_digest: HashMap<[u8; 32], Merchant>,
     limits: HashMap<Arc<str>, Arc<tokio::sync::Semaphore>>,
+    /// Requests refused 401 (a missing, malformed or unknown key): a guessing client shows here.
+    failures: prometheus_client::metrics::counter::Counter,
 }
+
+/// The shortest API key accepted: 16 characters, about 105 bits when drawn at random from printable ASCII
+/// (`openssl rand -base64 24` gives 32 characters, 192 bits). Eight characters, the old minimum, are within
+/// reach of a guessing client.
+pub const MIN_KEY_LEN: usize = 16;
 
 impl fmt::Debug for ApiKeys {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -57,7 +64,7 @@ fn digest(key: &str) -> [u8; 32] {
 
 impl ApiKeys {
     /// Parses `merchant_a:key_a,merchant_b:key_b`. Merchant names are 1–64 characters of `A-Z a-z 0-9 _ -`;
-    /// keys are at least 8 printable ASCII characters and unique. A key may be given as its SHA-256 digest,
+    /// keys are [`MIN_KEY_LEN`] to 256 printable ASCII characters and unique. A key may be given as its SHA-256 digest,
     /// `merchant:sha256:<64 hex digits>`, so that the configuration holds no usable key (only the digest
     /// is ever kept either way).
     pub fn parse(s: &str) -> Result<Self, String> {
@@ -83,16 +90,19 @@ impl ApiKeys {
                 })
                 .transpose()?;
             if given_digest.is_none()
-                && (key.len() < 8 || key.len() > 256 || !key.bytes().all(|b| (0x21..=0x7e).contains(&b)))
+                && (key.len() < MIN_KEY_LEN || key.len() > 256 || !key.bytes().all(|b| (0x21..=0x7e).contains(&b)))
             {
-                return Err(format!("IDEM_API_KEYS key of merchant {merchant} must be 8 to 256 printable characters"));
+                return Err(format!(
+                    "IDEM_API_KEYS key of merchant {merchant} must be {MIN_KEY_LEN} to 256 printable characters \
+                     (generate one with `openssl rand -base64 24`)"
+                ));
             }
             let digest = given_digest.unwrap_or_else(|| digest(key));
             if by_digest.insert(digest, Merchant(merchant.into())).is_some() {
                 return Err(format!("IDEM_API_KEYS gives the same key twice (merchant {merchant})"));
             }
         }
-        Ok(Self { by_digest, limits: HashMap::new() })
+        Ok(Self { by_digest, limits: HashMap::new(), failures: Default::default() })
     }
 
     /// Bounds each merchant's requests in progress to `limit` (0 is refused: at least 1).
@@ -103,6 +113,15 @@ impl ApiKeys {
             .map(|m| (m.0.clone(), Arc::new(tokio::sync::Semaphore::new(limit.max(1)))))
             .collect();
         self
+    }
+
+    /// Registers `idem_http_authentication_failures_total`.
+    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.sub_registry_with_prefix("idem_http").register(
+            "authentication_failures",
+            "Requests refused 401: a missing, malformed or unknown API key",
+            self.failures.clone(),
+        );
     }
 
     /// Whether `merchant` has a key here.
@@ -129,10 +148,12 @@ fn unauthorized(detail: &str) -> Response {
 pub async fn authenticate(State(keys): State<Arc<ApiKeys>>, mut req: Request, next: Next) -> Response {
     let mut values = req.headers().get_all(header::AUTHORIZATION).iter();
     let (Some(value), None) = (values.next(), values.next()) else {
+        keys.failures.inc();
         return unauthorized("send exactly one Authorization: Bearer <api key> header");
     };
     let token = value.to_str().ok().and_then(bearer_token);
     let Some(merchant) = token.and_then(|t| keys.merchant(t)).cloned() else {
+        keys.failures.inc();
         return unauthorized("the API key is not valid");
     };
     let _permit = match keys.limits.get(&merchant.0).map(|s| s.clone().try_acquire_owned()) {
@@ -163,10 +184,10 @@ mod tests {
     #[test]
     fn keys_may_be_configured_as_sha256_digests() {
         let digest = hex::encode(Sha256::digest(b"real_key_0123456789"));
-        let keys = ApiKeys::parse(&format!("m:sha256:{digest},n:plain_key_0123")).expect("parses");
+        let keys = ApiKeys::parse(&format!("m:sha256:{digest},n:plain_key_0123456")).expect("parses");
         assert_eq!(keys.merchant("real_key_0123456789").map(|m| &*m.0), Some("m"));
         assert!(keys.merchant(&format!("sha256:{digest}")).is_none());
-        assert_eq!(keys.merchant("plain_key_0123").map(|m| &*m.0), Some("n"));
+        assert_eq!(keys.merchant("plain_key_0123456").map(|m| &*m.0), Some("n"));
         let same = ApiKeys::parse(&format!("m:sha256:{digest},n:real_key_0123456789"));
         assert!(same.expect_err("the same key twice").contains("same key twice"));
         let upper = ApiKeys::parse(&format!("m:SHA256:{}", digest.to_uppercase())).expect("any case");
@@ -201,10 +222,10 @@ mod tests {
 
     #[test]
     fn parses_and_never_shows_keys() {
-        let keys = ApiKeys::parse("merchant_a:key_a_123456, merchant_b:key_b_123456").expect("valid");
-        assert_eq!(keys.merchant("key_a_123456").map(|m| &*m.0), Some("merchant_a"));
-        assert_eq!(keys.merchant("key_b_123456").map(|m| &*m.0), Some("merchant_b"));
-        assert!(keys.merchant("key_c_123456").is_none());
+        let keys = ApiKeys::parse("merchant_a:key_a_1234567890, merchant_b:key_b_1234567890").expect("valid");
+        assert_eq!(keys.merchant("key_a_1234567890").map(|m| &*m.0), Some("merchant_a"));
+        assert_eq!(keys.merchant("key_b_1234567890").map(|m| &*m.0), Some("merchant_b"));
+        assert!(keys.merchant("key_c_1234567890").is_none());
         let shown = format!("{keys:?}");
         assert!(!shown.contains("key_a") && shown.contains("merchant_b"), "{shown}");
     }
@@ -213,7 +234,10 @@ mod tests {
     fn rejects_bad_configuration() {
         assert!(ApiKeys::parse("nocolon").is_err());
         assert!(ApiKeys::parse("m:short").is_err());
-        assert!(ApiKeys::parse("m:same_key_1,n:same_key_1").is_err());
+        // issue 38.5: eight characters were accepted; a key now needs a random key's strength
+        let err = ApiKeys::parse("m:key_1234567").expect_err("15 characters");
+        assert!(err.contains("16 to 256") && err.contains("openssl rand"), "{err}");
+        assert!(ApiKeys::parse("m:same_key_1_abcdef,n:same_key_1_abcdef").is_err());
         assert!(ApiKeys::parse("bad name:key_123456789").is_err());
         assert!(ApiKeys::parse("").is_ok_and(|k| k.is_empty()));
     }

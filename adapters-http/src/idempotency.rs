@@ -105,6 +105,9 @@ pub struct IdempotencyConfig {
     /// docs). The read costs every first execution a round trip (0.90 of the rate without it, measured), so
     /// by default it runs only while replays are a noticeable share of the traffic: a retry storm.
     pub replay_fast_path: FastPath,
+    /// New keys a scope may store per second ([`NewKeyQuota`](crate::quota::NewKeyQuota)); `None`: no
+    /// bound (the default of the toolkit; `idem serve` sets `MERCHANT_NEW_KEYS_PER_SECOND`).
+    pub new_keys: Option<Arc<crate::quota::NewKeyQuota>>,
 }
 
 impl fmt::Debug for IdempotencyConfig {
@@ -129,6 +132,7 @@ impl IdempotencyConfig {
             max_request_body: 64 * 1024,
             max_response_body: 1024 * 1024,
             replay_fast_path: FastPath::Adaptive,
+            new_keys: None,
         }
     }
 }
@@ -568,6 +572,13 @@ where
     match outcome {
         Ok(ClaimOutcome::Claimed) => {
             shared.replays.record(false);
+            if let Some(Err(wait)) = config.new_keys.as_ref().map(|q| q.take(&claim.scope)) {
+                drop(uow); // rolled back: nothing ran, nothing is stored, the key stays free
+                let problem = layer_problem(ProblemKind::TooManyRequests, StatusCode::TOO_MANY_REQUESTS)
+                    .detail("too many new Idempotency-Keys of this client; retry with the same key after the given delay")
+                    .retry_after(u32::try_from(wait.as_secs().max(1)).unwrap_or(u32::MAX));
+                return tagged(problem.into_response(), "rate_limited");
+            }
             execute(&shared, inner, parts, body, uow, Some(claim)).await
         }
         Ok(ClaimOutcome::Existing(record)) => match decide(Some(&record), &fingerprint, now) {

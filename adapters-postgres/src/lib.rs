@@ -145,8 +145,53 @@ fn pooled_begin(settings: &PoolSettings) -> String {
     )
 }
 
+/// The URL parameters sqlx reads; it logs any other with its value ("ignoring unrecognized connect
+/// parameter … value=…"), which printed an `sslpassword` in clear.
+const SQLX_PARAMETERS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+];
+
+/// `url` without the parameters sqlx does not read, each named (never its value) in a warning; an
+/// `sslpassword` (the passphrase of an encrypted client key, which rustls cannot use) is refused.
+fn supported_parameters(url: &str) -> Result<std::borrow::Cow<'_, str>, StoreError> {
+    let Some((base, query)) = url.split_once('?') else { return Ok(url.into()) };
+    let mut kept = Vec::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let key = pair.split_once('=').map_or(pair, |(k, _)| k);
+        if SQLX_PARAMETERS.contains(&key) {
+            kept.push(pair);
+        } else if key.eq_ignore_ascii_case("sslpassword") {
+            return Err(StoreError::Other(
+                "invalid database url: `sslpassword` is not supported (an encrypted client key); give `sslkey` an \
+                 unencrypted key readable only by the service"
+                    .into(),
+            ));
+        } else {
+            tracing::warn!(parameter = %key, "database url parameter not supported: ignored");
+        }
+    }
+    Ok(if kept.is_empty() { base.to_owned().into() } else { format!("{base}?{}", kept.join("&")).into() })
+}
+
 fn parse_url(url: &str) -> Result<PgConnectOptions, StoreError> {
-    url.parse().map_err(|e: sqlx::Error| StoreError::Other(format!("invalid database url: {e}")))
+    supported_parameters(url)?.parse().map_err(|e: sqlx::Error| StoreError::Other(format!("invalid database url: {e}")))
 }
 
 impl PgStore {
@@ -409,6 +454,22 @@ impl PgStore {
     }
 }
 
+#[cfg(test)]
+mod url_tests {
+    /// Issue 38.5: sqlx logged an unsupported parameter with its value; `sslpassword=` was printed in clear.
+    #[test]
+    fn unsupported_parameters_never_reach_sqlx_and_an_sslpassword_is_refused() {
+        let err = super::supported_parameters("postgres://u@h/db?sslmode=verify-full&sslpassword=s3cret_pw")
+            .expect_err("refused");
+        assert!(err.to_string().contains("sslpassword") && !err.to_string().contains("s3cret_pw"), "{err}");
+        let kept = super::supported_parameters("postgres://u:pw@h/db?connect_timeout=5&sslmode=require&keepalives=1")
+            .expect("kept");
+        assert_eq!(kept, "postgres://u:pw@h/db?sslmode=require");
+        assert_eq!(super::supported_parameters("postgres://h/db?x=1").expect("kept"), "postgres://h/db");
+        assert_eq!(super::supported_parameters("postgres://h/db").expect("kept"), "postgres://h/db");
+    }
+}
+
 #[async_trait]
 impl TransactionManager for PgStore {
     async fn begin(&self) -> Result<Box<dyn UnitOfWork>, StoreError> {
@@ -540,8 +601,8 @@ impl UnitOfWork for PgUnitOfWork {
         if !alive {
             let _ = tx.rollback().await;
             return Err(StoreError::Other(
-                "the transaction was aborted by an earlier failed statement whose error was not returned: \
-                 rolled back, nothing committed"
+                "SQLSTATE 25P02 (in_failed_sql_transaction): the transaction was aborted by an earlier failed \
+                 statement whose error was not returned: rolled back, nothing committed"
                     .into(),
             ));
         }

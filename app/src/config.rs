@@ -437,6 +437,15 @@ pub struct ServeArgs {
     /// Most requests of one merchant in progress at once; beyond it, 429 with Retry-After.
     #[arg(long, env = "MERCHANT_CONCURRENCY", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub merchant_concurrency: u32,
+    /// New Idempotency-Keys one merchant may store per second (a token bucket; 0: no bound). Every
+    /// executed request's answer is kept for IDEMPOTENCY_TTL, so without a bound one merchant resending
+    /// under new keys can grow the table without limit; beyond it, 429 with Retry-After (nothing stored).
+    /// Retries of known keys take no token.
+    #[arg(long, env = "MERCHANT_NEW_KEYS_PER_SECOND", default_value_t = 100, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    pub merchant_new_keys_per_second: u32,
+    /// Most new keys one merchant may store at once above that rate.
+    #[arg(long, env = "MERCHANT_NEW_KEYS_BURST", default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    pub merchant_new_keys_burst: u32,
     /// Connections of a second pool reserved for the consumer, the relay, the cleaner and readiness, so
     /// HTTP load can never starve them (nor they HTTP, which keeps DATABASE_MAX_CONNECTIONS).
     #[arg(long, env = "DATABASE_BACKGROUND_CONNECTIONS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(2..=1000))]

@@ -218,7 +218,7 @@ mod tests {
     const BASE: &[&str] = &["idem", "serve", "--database-url", "postgres://u:secret@h/db"];
 
     fn serve_with(extra: &[&str]) -> Result<ServeArgs, String> {
-        let keys: &[&str] = if extra.contains(&"--api-keys") { &[] } else { &["--api-keys", "m:key_0123456789"] };
+        let keys: &[&str] = if extra.contains(&"--api-keys") { &[] } else { &["--api-keys", "m:key_0123456789ab"] };
         let args: Vec<&str> = BASE.iter().chain(keys).chain(extra).copied().collect();
         match Cli::try_parse_from(args) {
             Ok(Cli { command: Command::Serve(args) }) => args.validate().map(|()| *args),
@@ -237,8 +237,8 @@ mod tests {
     /// URL of `idem pay`/`idem demo`.
     #[test]
     fn secrets_never_reach_errors_or_debug_output() {
-        let err = serve_with(&["--api-keys", "a:alpha_key_123456,b:short"]).expect_err("a short key is refused");
-        assert!(!err.contains("alpha_key_123456"), "{err}");
+        let err = serve_with(&["--api-keys", "a:alpha_key_12345678,b:short"]).expect_err("a short key is refused");
+        assert!(!err.contains("alpha_key_12345678"), "{err}");
         assert!(err.contains("IDEM_API_KEYS"), "{err}");
         for (url, secret) in [
             ("postgres://u:s3cret@h/db", "s3cret"),
@@ -255,7 +255,7 @@ mod tests {
             "--database-url",
             "postgres://u@h/db?password=s3cret",
             "--api-keys",
-            "m:key_0123456789",
+            "m:key_0123456789ab",
         ])
         .expect("parses");
         assert!(!format!("{serve:?}").contains("s3cret"), "{serve:?}");
@@ -337,7 +337,7 @@ mod tests {
     /// Issue 24.8: the merchant of order-event payments may not be an API merchant.
     #[test]
     fn the_orders_merchant_cannot_be_an_api_merchant() {
-        refused(&["--api-keys", "orders:key_0123456789"], "ORDERS_MERCHANT_ID 'orders' is also an API merchant");
+        refused(&["--api-keys", "orders:key_0123456789ab"], "ORDERS_MERCHANT_ID 'orders' is also an API merchant");
         refused(&["--orders-merchant-id", "m"], "is also an API merchant");
         assert!(serve_with(&["--orders-merchant-id", "shop-orders"]).is_ok());
     }
@@ -395,7 +395,7 @@ mod tests {
         refused(&["--dedup-ttl", "soon"], "write durations like 48h");
         refused(&["--api-keys", ""], "IDEM_API_KEYS is empty");
         refused(&["--api-keys", "nocolon"], "merchant:key");
-        refused(&["--api-keys", "m:short"], "8 to 256 printable");
+        refused(&["--api-keys", "m:short"], "16 to 256 printable");
         refused(&["--http-addr", "localhost"], "invalid socket address");
         refused(&["--idempotency-wait", "0s"], "IDEMPOTENCY_WAIT");
         refused(&["--idempotency-wait", "1m"], "IDEMPOTENCY_WAIT");

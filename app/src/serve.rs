@@ -178,6 +178,10 @@ fn api(args: &ServeArgs, store: &PgStore, checked: &Checked, registry: &mut Regi
     };
     let mut config = IdempotencyConfig::new(checked.idempotency_ttl, idem_http::merchant_scope());
     config.wait = args.idempotency_wait;
+    config.new_keys = std::num::NonZeroU32::new(args.merchant_new_keys_per_second).map(|rate| {
+        let burst = std::num::NonZeroU32::new(args.merchant_new_keys_burst).unwrap_or(rate);
+        Arc::new(idem_http::quota::NewKeyQuota::new(rate, burst))
+    });
     config.replay_fast_path = match args.idempotency_replay_fast_path {
         FastPathArg::Adaptive => idem_http::FastPath::Adaptive,
         FastPathArg::Always => idem_http::FastPath::Always,
@@ -195,6 +199,7 @@ fn api(args: &ServeArgs, store: &PgStore, checked: &Checked, registry: &mut Regi
         }
     };
     let api_keys = args.api_keys.clone().with_concurrency_limit(args.merchant_concurrency as usize);
+    api_keys.register(registry);
     idem_http::router_with_metrics(state, Arc::new(api_keys), layer, http_metrics)
 }
 

@@ -7,7 +7,7 @@ fn serve_refuses_a_ttl_outside_the_range_and_names_the_rule() {
     let out = Command::new(env!("CARGO_BIN_EXE_idem"))
         .arg("serve")
         .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
-        .env("IDEM_API_KEYS", "m:key_0123456789")
+        .env("IDEM_API_KEYS", "m:key_0123456789ab")
         .env("IDEMPOTENCY_TTL", "100h")
         .output()
         .expect("idem runs");

@@ -143,8 +143,13 @@ pub trait PaymentRepository: Send {
     /// The payment with this id, if any.
     async fn get(&mut self, id: Uuid) -> Result<Option<PaymentRecord>, StoreError>;
 
-    /// The payment with this id, locked for update until the unit ends.
-    async fn get_for_update(&mut self, id: Uuid) -> Result<Option<PaymentRecord>, StoreError>;
+    /// The payment with this id — of `merchant_id`, when given — locked for update until the unit ends. The
+    /// merchant is in the locking statement, so another merchant's payment is never locked (nor waited for).
+    async fn get_for_update(
+        &mut self,
+        id: Uuid,
+        merchant_id: Option<String>,
+    ) -> Result<Option<PaymentRecord>, StoreError>;
 
     /// The most recent payment of `merchant_id` for an order, locked for update until the unit ends.
     /// Order ids are only unique per merchant: never look one up across merchants.

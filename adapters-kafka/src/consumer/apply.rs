@@ -154,7 +154,17 @@ impl Runner {
                 self.stats.duplicates.inc_by(duplicates);
                 BatchOutcome::Committed
             }
-            Err(e) => BatchOutcome::Transient(e),
+            Err(e) if e.is_transient() => BatchOutcome::Transient(e),
+            // A commit refused for what the handlers did (a failed statement whose error a handler
+            // swallowed, a deferred constraint): theirs, like a failure they returned, so it is isolated to
+            // its event, counted, and dead-lettered after `max_rejections` instead of stalling the partition.
+            Err(e) => match to_apply.first() {
+                Some((index, _)) => {
+                    tracing::warn!(error = %e, "the handlers' transaction could not commit");
+                    BatchOutcome::EventFailed { index: *index, error: HandlerError::Store(e) }
+                }
+                None => failed(e),
+            },
         }
     }
 }

@@ -213,13 +213,18 @@ impl PaymentRepository for PgUnitOfWork {
         record(row)
     }
 
-    async fn get_for_update(&mut self, id: Uuid) -> Result<Option<PaymentRecord>, StoreError> {
+    async fn get_for_update(
+        &mut self,
+        id: Uuid,
+        merchant_id: Option<String>,
+    ) -> Result<Option<PaymentRecord>, StoreError> {
         let row = sqlx::query_as!(
             PaymentRow,
             r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
                       currency AS "currency!", status, refunded_amount, created_at
-               FROM payment WHERE id = $1 FOR UPDATE"#,
+               FROM payment WHERE id = $1 AND ($2::text IS NULL OR merchant_id = $2) FOR UPDATE"#,
             id,
+            merchant_id,
         )
         .fetch_optional(self.db())
         .await

@@ -102,6 +102,11 @@ impl Parsed {
     }
 }
 
+/// The largest order `version` an event may carry: an order's history never reaches a million changes, and
+/// a producer that sent `i64::MAX` froze the order's projection for good (every real later version is
+/// "older"). Beyond it the event is malformed (dead-lettered).
+pub const MAX_ORDER_VERSION: i64 = 1_000_000;
+
 impl OrderEventHandler {
     /// Validates an event completely before anything is written.
     fn parse(&self, event: &InboundEvent) -> Result<Parsed, HandlerError> {
@@ -116,8 +121,8 @@ impl OrderEventHandler {
         {
             return Err(malformed("message key must be the order id"));
         }
-        if version < 0 {
-            return Err(malformed("version must not be negative"));
+        if !(0..=MAX_ORDER_VERSION).contains(&version) {
+            return Err(malformed("version must be between 0 and 1000000"));
         }
         let action = match body {
             OrderEvent::OrderPlaced { customer_id, amount, currency, provider, external_payment_id, .. } => {
@@ -313,6 +318,12 @@ mod tests {
                 "unknown event type",
             ),
             (format!(r#"{{"type":"OrderCancelled","order_id":"{order}"}}"#), order, "missing field version"),
+            // issue 38.5: a version no order history reaches would freeze the projection; nothing is written
+            (
+                format!(r#"{{"type":"OrderCancelled","order_id":"{order}","version":9223372036854775807}}"#),
+                "9223372036854775807",
+                "version must be between 0 and 1000000",
+            ),
             (r#"{"type":"OrderPlaced", "amount": "SECRET-12"#.to_owned(), "SECRET-12", "ends early"),
         ] {
             let mut uow = MockUnitOfWork::default();

@@ -60,7 +60,7 @@ pub async fn refund_payment(
 ) -> Result<(RefundRecord, PaymentRecord), RefundError> {
     let payment = uow
         .payments()
-        .get_for_update(cmd.payment_id)
+        .get_for_update(cmd.payment_id, cmd.merchant_id.clone())
         .await?
         .filter(|p| cmd.merchant_id.as_ref().is_none_or(|m| *m == p.merchant_id))
         .ok_or(RefundError::NotFound)?;
@@ -141,7 +141,7 @@ mod tests {
     #[test]
     fn refund_updates_payment_and_announces() {
         let mut uow = MockUnitOfWork::default();
-        uow.payments.expect_get_for_update().returning(|_| Ok(Some(payment("a"))));
+        uow.payments.expect_get_for_update().returning(|_, _| Ok(Some(payment("a"))));
         uow.payments
             .expect_apply_refund()
             .withf(|r, total, status| {
@@ -167,7 +167,7 @@ mod tests {
     #[test]
     fn another_merchants_payment_is_not_found() {
         let mut uow = MockUnitOfWork::default();
-        uow.payments.expect_get_for_update().returning(|_| Ok(Some(payment("a"))));
+        uow.payments.expect_get_for_update().returning(|_, _| Ok(Some(payment("a"))));
         uow.payments.expect_apply_refund().never();
         assert!(matches!(run(&mut uow, "b", "1"), Err(RefundError::NotFound)));
     }
@@ -175,7 +175,7 @@ mod tests {
     #[test]
     fn a_refund_finer_than_the_currency_is_refused_before_writing() {
         let mut uow = MockUnitOfWork::default();
-        uow.payments.expect_get_for_update().returning(|_| Ok(Some(payment("a"))));
+        uow.payments.expect_get_for_update().returning(|_, _| Ok(Some(payment("a"))));
         uow.payments.expect_apply_refund().never();
         uow.outbox.expect_enqueue().never();
         assert!(matches!(run(&mut uow, "a", "0.001"), Err(RefundError::Amount(_))));
@@ -184,7 +184,7 @@ mod tests {
     #[test]
     fn over_refund_is_refused_before_writing() {
         let mut uow = MockUnitOfWork::default();
-        uow.payments.expect_get_for_update().returning(|_| Ok(Some(payment("a"))));
+        uow.payments.expect_get_for_update().returning(|_, _| Ok(Some(payment("a"))));
         uow.payments.expect_apply_refund().never();
         uow.outbox.expect_enqueue().never();
         assert!(matches!(

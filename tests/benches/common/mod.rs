@@ -203,6 +203,8 @@ pub async fn start_service_with(
         // concurrent committers, not one connection per client (BENCHMARKS.md: 32 against 72 at 64 clients).
         // One merchant drives all the load: its concurrency limit must not be what is measured.
         .env("MERCHANT_CONCURRENCY", env_or("BENCH_CONCURRENCY", 8usize).max(16).to_string())
+        // ... nor its bound on new keys per second (thousands of new keys a second are the load)
+        .env("MERCHANT_NEW_KEYS_PER_SECOND", "0")
         .env("RUST_LOG", "warn");
     // BENCH_SERVICE_ENV="K=V K2=V2": extra environment for the service only (for example
     // TOKIO_WORKER_THREADS=1 or DATABASE_MAX_CONNECTIONS=32), so a setting can be measured without

@@ -976,3 +976,71 @@ async fn a_toolkit_runner_refuses_a_renamed_group_instead_of_applying_everything
     assert_eq!(applications().await?, n + 1, "only the new event was applied");
     Ok(())
 }
+
+/// A handler that swallows the error of a failed statement for events whose payload is `swallow`, and
+/// logs every other event as one application.
+struct SwallowingHandler;
+
+#[async_trait::async_trait]
+impl idem_ports::EventHandler for SwallowingHandler {
+    async fn handle(
+        &self,
+        uow: &mut dyn idem_ports::UnitOfWork,
+        event: &idem_ports::InboundEvent,
+    ) -> Result<(), idem_ports::HandlerError> {
+        let pg = idem_postgres::PgUnitOfWork::of(uow)?;
+        if event.payload == b"swallow" {
+            let _ = sqlx::query("SELECT 1 / 0").execute(pg.connection()).await; // the error is dropped
+            return Ok(());
+        }
+        sqlx::query("INSERT INTO test_application (event_id, topic) VALUES ($1, $2)")
+            .bind(event.event_id)
+            .bind(&event.topic)
+            .execute(pg.connection())
+            .await
+            .map_err(|e| idem_ports::HandlerError::Store(idem_postgres::map_sqlx_error(e)))?;
+        Ok(())
+    }
+}
+
+/// Issue 32.6: a handler swallows a failed statement. The commit is refused (nothing half-applied), but the
+/// batch was classed transient and retried for ever with backoff: the events after it were never applied.
+/// Now the refused commit is the handler's failure: the event is isolated, retried `max_rejections` times,
+/// then dead-lettered with the SQLSTATE, and its neighbours are applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_swallows_a_failed_statement_does_not_stall_its_partition() -> anyhow::Result<()> {
+    use idem_tests::effects::create_application_log;
+    let (db, brokers, topic) = setup(1).await?;
+    create_application_log(&db).await?;
+    let p = producer(&brokers)?;
+    for payload in [&b"ok"[..], b"swallow", b"ok", b"ok"] {
+        let id = Uuid::now_v7();
+        send(&p, &topic, id, id, payload).await?;
+    }
+    let runner = Runner::new(
+        settings(&brokers, &unique_topic("g"), &topic, 10),
+        Arc::new(db.store.clone()),
+        Arc::new(SystemClock),
+        Arc::new(SwallowingHandler),
+    );
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone()));
+    let applications = || async {
+        anyhow::Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM test_application").fetch_one(db.pool()).await?)
+    };
+    let done = eventually(Duration::from_secs(60), || async {
+        Ok(applications().await? == 3 && stats.dead_lettered.get() == 1)
+    })
+    .await?;
+    let (applied, dead) = (applications().await?, stats.dead_lettered.get());
+    stop.cancel();
+    task.await??;
+    assert!(done, "{applied} of 3 events applied, {dead} dead-lettered");
+    let dlq = read_topic(&brokers, &format!("{topic}.dlq"), 1, Duration::from_secs(30)).await?;
+    assert_eq!(dlq.len(), 1);
+    assert_eq!(dlq[0].payload, b"swallow");
+    let error = dlq[0].header("dlq.error").unwrap_or_default();
+    assert!(error.contains("25P02"), "the dead letter names the SQLSTATE: {error}");
+    Ok(())
+}

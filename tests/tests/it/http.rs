@@ -1104,3 +1104,105 @@ async fn a_replay_of_a_completed_key_costs_one_round_trip() -> anyhow::Result<()
     assert_eq!(other.status().as_u16(), 409, "a different request with the key must still conflict");
     Ok(())
 }
+
+/// Issue 38.3: one merchant resending under new keys stored every answer for the retention (4,838 records
+/// in 5 s in the review, no payment). With a bound on new keys per scope, the keys beyond the burst are
+/// refused `429` with `Retry-After` before anything runs or is stored, while retries of a known key are
+/// still answered from its record, and another scope is not affected.
+#[tokio::test]
+async fn new_keys_beyond_the_merchants_quota_are_refused_and_store_nothing() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let tm: Arc<dyn TransactionManager> = Arc::new(db.store.clone());
+    let mut config = layer_config(StatusCode::CONFLICT);
+    let one = std::num::NonZeroU32::MIN;
+    config.new_keys = Some(Arc::new(idem_http::quota::NewKeyQuota::new(one, one.saturating_add(2))));
+    let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), config);
+    let router = axum::Router::new()
+        .route("/op", axum::routing::post(|_tx: Tx| async { (StatusCode::CREATED, "done") }))
+        .route_layer(layer);
+    let scoped = axum::Router::new().merge(router).layer(axum::middleware::from_fn(
+        |mut req: axum::extract::Request, next: axum::middleware::Next| async move {
+            let merchant = req.headers().get("x-merchant").and_then(|v| v.to_str().ok()).unwrap_or("a").to_owned();
+            req.extensions_mut().insert(idem_http::Merchant(merchant.into()));
+            next.run(req).await
+        },
+    ));
+    let base = idem_tests::serve(scoped).await?;
+    let http = reqwest::Client::new();
+    let send = |key: String, merchant: &'static str| {
+        http.post(format!("{base}/op")).header("idempotency-key", key).header("x-merchant", merchant).body("{}").send()
+    };
+    let mut statuses = Vec::new();
+    for i in 0..5 {
+        let reply = send(format!("flood-{i}"), "a").await?;
+        let status = reply.status().as_u16();
+        if status == 429 {
+            assert!(reply.headers().contains_key("retry-after"), "429 without Retry-After");
+            let body: serde_json::Value = reply.json().await?;
+            assert_eq!(body["type"], "urn:idem:problem:too-many-requests", "{body}");
+        }
+        statuses.push(status);
+    }
+    assert_eq!(statuses, [201, 201, 201, 429, 429]);
+    let records: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_record WHERE scope = 'a'").fetch_one(db.pool()).await?;
+    assert_eq!(records, 3, "only the burst's keys are stored");
+    let replay = send("flood-0".into(), "a").await?;
+    assert_eq!(replay.status(), 201, "a retry of a known key takes no token");
+    assert_eq!(replay.headers().get("idempotent-replayed").and_then(|v| v.to_str().ok()), Some("true"));
+    assert_eq!(send("other-0".into(), "b").await?.status(), 201, "another merchant has its own bucket");
+    Ok(())
+}
+
+/// Issue 38.5: an unauthenticated connection could make the server buffer ~400 KB of an unfinished head
+/// (hyper's default) for the whole header timeout. The head is now bounded: a 100 KB header or 100 header
+/// fields are refused `431` at once, while an ordinary request with a long key and a traceparent is served.
+#[tokio::test]
+async fn request_heads_are_bounded_to_what_a_legitimate_request_needs() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let router = axum::Router::new().route("/x", axum::routing::get(|| async { "ok" }));
+    let stop = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(idem_http::server::serve(listener, router, Default::default(), stop.clone()));
+    let status_of = |head: String| async move {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        s.write_all(head.as_bytes()).await?;
+        let mut buf = vec![0u8; 64];
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await??;
+        anyhow::Ok(String::from_utf8_lossy(&buf[..n]).chars().skip(9).take(3).collect::<String>())
+    };
+    let ordinary = format!(
+        "GET /x HTTP/1.1\r\nHost: idem\r\nAuthorization: Bearer {}\r\nIdempotency-Key: {}\r\ntraceparent: 00-{}-{}-01\r\n\r\n",
+        "k".repeat(64),
+        "i".repeat(255),
+        "a".repeat(32),
+        "b".repeat(16)
+    );
+    assert_eq!(status_of(ordinary).await?, "200");
+    let huge = format!("GET /x HTTP/1.1\r\nHost: idem\r\nX-Pad: {}\r\n\r\n", "p".repeat(100_000));
+    assert_eq!(status_of(huge).await?, "431", "a 100 KB head was read");
+    let many: String = (0..100).map(|i| format!("X-H{i}: v\r\n")).collect();
+    assert_eq!(status_of(format!("GET /x HTTP/1.1\r\nHost: idem\r\n{many}\r\n")).await?, "431", "100 header fields");
+    stop.cancel();
+    Ok(())
+}
+
+/// Issue 38.5: a refund locked the payment's row before checking whose it was, so merchant B, guessing A's
+/// payment id, waited on (and held) A's row lock. Now the merchant is in the locking statement: while A's
+/// payment is locked, B's refund of it answers 404 at once, and A's refund is not delayed by B.
+#[tokio::test]
+async fn a_refund_never_locks_another_merchants_payment() -> anyhow::Result<()> {
+    let api = spawn().await?;
+    let paid = api.charge(KEY_A, "lock-charge", &charge_body("pi_lock", "10.00")).await?;
+    let id = paid.json()["id"].as_str().unwrap_or_default().to_owned();
+    let mut holder = api.db.pool().begin().await?;
+    sqlx::query("SELECT 1 FROM payment WHERE id = $1::uuid FOR UPDATE").bind(&id).execute(&mut *holder).await?;
+    let started = std::time::Instant::now();
+    let theirs = api.post(&format!("/payments/{id}/refund"), KEY_B, Some("lock-b"), r#"{"amount":"1.00"}"#).await?;
+    let waited = started.elapsed();
+    holder.rollback().await?;
+    assert_eq!(theirs.status, 404, "{}", String::from_utf8_lossy(&theirs.body));
+    assert!(waited < Duration::from_secs(1), "merchant B waited {waited:?} on merchant A's row lock");
+    Ok(())
+}

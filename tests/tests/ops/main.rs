@@ -707,3 +707,20 @@ async fn schemathesis_catches_a_document_that_drifted() -> anyhow::Result<()> {
     assert!(report.contains("Schema-valid request rejected") || report.contains("ST202"), "{report}");
     Ok(())
 }
+
+/// Issue 38.5: the demo compose file published PostgreSQL (password `postgres`), Kafka (no authentication)
+/// and idem (a well-known demo key) on every host interface. Every published port is bound to loopback.
+#[test]
+fn the_demo_compose_file_publishes_only_on_loopback() -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docker-compose.yml"))?;
+    let mut published = 0;
+    for line in text.lines().filter(|l| l.trim_start().starts_with("ports:")) {
+        let list = line.split_once('[').and_then(|(_, rest)| rest.split_once(']')).map(|(l, _)| l).unwrap_or_default();
+        for mapping in list.split(',').map(|m| m.trim().trim_matches('"')) {
+            published += 1;
+            assert!(mapping.starts_with("127.0.0.1:"), "{mapping} is published on every interface");
+        }
+    }
+    assert!(published >= 3, "found {published} published ports");
+    Ok(())
+}
