@@ -343,7 +343,7 @@ where
 /// The unit of work handed to the handler (request extension). The layer keeps the other reference and
 /// takes the unit back after the handler returned.
 #[derive(Clone)]
-pub struct UnitOfWorkHandle(Arc<Mutex<Option<Box<dyn UnitOfWork>>>>);
+pub struct UnitOfWorkHandle(Arc<Mutex<Option<Box<dyn UnitOfWork>>>>, Arc<std::sync::atomic::AtomicBool>);
 
 impl fmt::Debug for UnitOfWorkHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -391,6 +391,7 @@ impl<St: Send + Sync> FromRequestParts<St> for Tx {
         if guard.is_none() {
             return Err(missing());
         }
+        handle.1.store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(Tx(guard))
     }
 }
@@ -456,7 +457,25 @@ async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Byte
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(too_large(limit));
     }
-    axum::body::to_bytes(body, limit).await.map_err(|_| too_large(limit))
+    axum::body::to_bytes(body, limit).await.map_err(|e| body_problem(e, limit))
+}
+
+/// Why a body could not be read: too large (`413`), not received within the body-read timeout (`408`;
+/// it used to be answered `413`), or cut off (`400`). Nothing ran either way.
+fn body_problem(e: axum::Error, limit: usize) -> Problem {
+    let inner = e.into_inner();
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(inner.as_ref());
+    while let Some(err) = source {
+        if err.is::<http_body_util::LengthLimitError>() {
+            return too_large(limit);
+        }
+        if err.is::<tower_http::timeout::TimeoutError>() {
+            return layer_problem(ProblemKind::RequestTimeout, StatusCode::REQUEST_TIMEOUT)
+                .detail("the request body did not arrive in time; send it again with the same Idempotency-Key");
+        }
+        source = err.source();
+    }
+    layer_problem(ProblemKind::MalformedJson, StatusCode::BAD_REQUEST).detail("the request body could not be read")
 }
 
 fn replay(stored: &StoredResponse) -> Response {
@@ -612,7 +631,8 @@ where
     S: Service<Request<Body>, Response = Response, Error = Infallible> + Send,
     S::Future: Send,
 {
-    let handle = UnitOfWorkHandle(Arc::new(Mutex::new(Some(uow))));
+    let handle = UnitOfWorkHandle(Arc::new(Mutex::new(Some(uow))), Arc::default());
+    let route = parts.extensions.get::<axum::extract::MatchedPath>().map(|p| p.as_str().to_owned());
     let mut req = Request::from_parts(parts, Body::from(body));
     req.extensions_mut().insert(handle.clone());
     let response = match inner.call(req).await {
@@ -630,6 +650,14 @@ where
         drop(uow);
         let outcome = if status.is_server_error() { "failed" } else { "rejected_input" };
         return tagged(response, outcome);
+    }
+    if !handle.1.load(std::sync::atomic::Ordering::Relaxed) {
+        // Its answer is stored, but whatever it wrote went through another connection: not atomic with the
+        // record (a crash between the two commits loses one of them). Often deliberate (nothing to write).
+        tracing::debug!(
+            route = route.as_deref().unwrap_or("?"),
+            "the handler answered without taking its unit of work (Tx): writes it made elsewhere are not atomic with the idempotency record"
+        );
     }
     let (mut resp_parts, resp_body) = response.into_parts();
     let Ok(resp_bytes) = axum::body::to_bytes(resp_body, shared.config.max_response_body).await else {

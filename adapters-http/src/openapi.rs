@@ -59,6 +59,7 @@ fn post_problems() -> Value {
         "400": problem_response("Malformed JSON, or an invalid or missing Idempotency-Key", false),
         "401": problem_response("Missing or unknown API key", false),
         "409": problem_response("The key was used with another request (idempotency-key-reused), a request with this key is in flight (request-in-flight, with Retry-After), or the request conflicts with stored state", true),
+        "408": problem_response("The body did not arrive within HTTP_BODY_READ_TIMEOUT (nothing executed): send it again with the same key", false),
         "413": problem_response("The body is larger than 64 KiB", false),
         "415": problem_response("The body is not application/json", false),
         "422": problem_response("A field is invalid (field names it), or a UUID v7 key is older than the retention (idempotency-key-expired)", false),

@@ -34,6 +34,8 @@ pub enum ProblemKind {
     TooManyRequests,
     /// 413: body too large.
     PayloadTooLarge,
+    /// 408: the body did not arrive within the body-read timeout.
+    RequestTimeout,
     /// 415: not JSON.
     UnsupportedMediaType,
     /// 400: malformed JSON.
@@ -58,7 +60,7 @@ pub enum ProblemKind {
 
 impl ProblemKind {
     /// Every kind (the API document lists their type URIs).
-    pub const ALL: [Self; 21] = [
+    pub const ALL: [Self; 22] = [
         Self::Unauthorized,
         Self::IdempotencyKeyMissing,
         Self::IdempotencyKeyInvalid,
@@ -70,6 +72,7 @@ impl ProblemKind {
         Self::OutcomeUnknown,
         Self::TooManyRequests,
         Self::PayloadTooLarge,
+        Self::RequestTimeout,
         Self::UnsupportedMediaType,
         Self::MalformedJson,
         Self::InvalidField,
@@ -96,6 +99,7 @@ impl ProblemKind {
             Self::OutcomeUnknown => "urn:idem:problem:outcome-unknown",
             Self::TooManyRequests => "urn:idem:problem:too-many-requests",
             Self::PayloadTooLarge => "urn:idem:problem:payload-too-large",
+            Self::RequestTimeout => "urn:idem:problem:request-timeout",
             Self::UnsupportedMediaType => "urn:idem:problem:unsupported-media-type",
             Self::MalformedJson => "urn:idem:problem:malformed-json",
             Self::InvalidField => "urn:idem:problem:invalid-field",
@@ -122,6 +126,7 @@ impl ProblemKind {
             Self::OutcomeUnknown => "The outcome of the request is unknown",
             Self::TooManyRequests => "Too many requests in progress",
             Self::PayloadTooLarge => "Request body too large",
+            Self::RequestTimeout => "Request body not received in time",
             Self::UnsupportedMediaType => "Request body must be application/json",
             Self::MalformedJson => "Request body is not valid JSON",
             Self::InvalidField => "Request field is missing or invalid",

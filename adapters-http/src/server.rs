@@ -42,6 +42,9 @@ pub const MAX_HEADERS: usize = 64;
 pub struct ServerLimits {
     /// Longest time to receive a request head (and longest idle time of a keep-alive connection).
     pub header_read_timeout: Duration,
+    /// Longest wait for the first byte of a new connection (at most the header timeout): a socket that
+    /// opens and sends nothing holds a connection slot only this long.
+    pub first_byte_timeout: Duration,
     /// Longest time to receive a request body.
     pub body_read_timeout: Duration,
     /// Most connections open at once.
@@ -51,10 +54,11 @@ pub struct ServerLimits {
 }
 
 impl Default for ServerLimits {
-    /// 10 s for a head and for a body, 30 s for a response, 1,024 connections.
+    /// 3 s for a first byte, 10 s for a head and for a body, 30 s for a response, 1,024 connections.
     fn default() -> Self {
         Self {
             header_read_timeout: Duration::from_secs(10),
+            first_byte_timeout: Duration::from_secs(3),
             body_read_timeout: Duration::from_secs(10),
             max_connections: 1024,
             request_timeout: Duration::from_secs(30),
@@ -96,15 +100,22 @@ pub async fn serve(
             },
         };
         let _ = stream.set_nodelay(true);
-        let connection = hyper::server::conn::http1::Builder::new()
-            .timer(TokioTimer::new())
-            .header_read_timeout(limits.header_read_timeout)
-            .max_buf_size(MAX_HEAD_BYTES)
-            .max_headers(MAX_HEADERS)
-            .serve_connection(TokioIo::new(stream), TowerToHyperService::new(router.clone()));
-        let connection = graceful.watch(connection);
+        let (watcher, router) = (graceful.watcher(), router.clone());
+        let first_byte = limits.first_byte_timeout.min(limits.header_read_timeout);
         tokio::spawn(async move {
-            if let Err(e) = connection.await {
+            // a socket that sends nothing is closed after the first-byte bound, not the whole head's
+            let mut first = [0u8; 1];
+            if !matches!(tokio::time::timeout(first_byte, stream.peek(&mut first)).await, Ok(Ok(1..))) {
+                drop(permit);
+                return;
+            }
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_read_timeout)
+                .max_buf_size(MAX_HEAD_BYTES)
+                .max_headers(MAX_HEADERS)
+                .serve_connection(TokioIo::new(stream), TowerToHyperService::new(router));
+            if let Err(e) = watcher.watch(connection).await {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
             drop(permit);

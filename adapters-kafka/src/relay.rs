@@ -490,7 +490,7 @@ async fn publish<'r>(producer: &FutureProducer, rows: &'r [OutboxRecord]) -> Pub
 /// charged; a key whose row is refused alone (or fails) sends nothing more.
 async fn resend_refused<'r>(producer: &FutureProducer, rows: &'r [OutboxRecord], published: &mut Published<'r>) {
     let refused: HashSet<uuid::Uuid> = published.failures.rejected.drain(..).collect();
-    let mut stopped: HashSet<&str> = HashSet::new();
+    let mut stopped = keys_that_failed(rows, &published.failures.failed);
     for row in rows.iter().filter(|r| refused.contains(&r.id)) {
         if stopped.contains(row.aggregate_id.as_str()) {
             continue; // behind a row of its key refused alone: waits, not an attempt
@@ -504,6 +504,13 @@ async fn resend_refused<'r>(producer: &FutureProducer, rows: &'r [OutboxRecord],
             }
         }
     }
+}
+
+/// The keys of the rows that failed for now in this round: a refused row of such a key is not sent alone,
+/// since it would be published (and deleted) before the row of its key that failed, out of order; it waits
+/// for the next round, uncharged. (Issue 32.5: the keys used to start unstopped.)
+fn keys_that_failed<'r>(rows: &'r [OutboxRecord], failed: &[uuid::Uuid]) -> HashSet<&'r str> {
+    rows.iter().filter(|r| failed.contains(&r.id)).map(|r| r.aggregate_id.as_str()).collect()
 }
 
 /// The rows of a round that failed: refused for good (charged towards quarantine) or for now.
@@ -562,4 +569,35 @@ pub struct Round {
     pub failed: usize,
     /// A delivery failed with an error that ends the idempotent producer's session.
     pub session_broken: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(n: u128, key: &str) -> OutboxRecord {
+        OutboxRecord {
+            id: uuid::Uuid::from_u128(n),
+            topic: "payments".into(),
+            aggregate_type: "payment".into(),
+            aggregate_id: key.into(),
+            event_type: "PaymentCaptured".into(),
+            payload: "{}".into(),
+            headers: Vec::new(),
+            saga_id: None,
+            created_at: chrono::DateTime::from_timestamp(1_800_000_000, 0).unwrap_or_default(),
+            attempts: 0,
+        }
+    }
+
+    /// Issue 32.5: key A's first row failed for now and its second was refused; re-sending the refused row
+    /// alone would publish (and delete) it before its predecessor. Its key is stopped from the start.
+    #[test]
+    fn a_refused_row_waits_behind_a_row_of_its_key_that_failed_for_now() {
+        let rows = [row(1, "a"), row(2, "b"), row(3, "a"), row(4, "c")];
+        let stopped = keys_that_failed(&rows, &[rows[0].id]);
+        assert!(stopped.contains("a"), "the refused row 3 of key a must not be sent alone");
+        assert!(!stopped.contains("b") && !stopped.contains("c"), "{stopped:?}");
+        assert!(keys_that_failed(&rows, &[]).is_empty());
+    }
 }

@@ -255,6 +255,16 @@ impl Cleaner {
     /// and its operator must know. (A host two days ahead used to empty `idempotency_record` and drop live
     /// dedup partitions.)
     pub async fn run_once(&self, local_now: DateTime<Utc>) -> Result<Option<CleanupReport>, StoreError> {
+        self.run_once_until(local_now, &tokio_util::sync::CancellationToken::new()).await
+    }
+
+    /// [`Cleaner::run_once`], stopping between two batches once `shutdown` is cancelled (what it deleted
+    /// so far stays deleted; the next round goes on from there).
+    pub async fn run_once_until(
+        &self,
+        local_now: DateTime<Utc>,
+        shutdown: &tokio_util::sync::CancellationToken,
+    ) -> Result<Option<CleanupReport>, StoreError> {
         // The lock's transaction stays open (idle) for the round: exempt it, in this transaction only, from
         // the sessions' idle-in-transaction timeout.
         let mut lock = self.store.small_tx().await.map_err(map_sqlx_error)?;
@@ -285,7 +295,7 @@ impl Cleaner {
                 margin.num_seconds()
             )));
         }
-        let result = self.delete_all(now).await;
+        let result = self.delete_all(now, shutdown).await;
         // Ending the transaction releases the lock; if that fails the connection is closed, which does too.
         let _ = lock.rollback().await;
         let report = result?;
@@ -293,11 +303,20 @@ impl Cleaner {
         Ok(Some(report))
     }
 
-    async fn delete_all(&self, now: DateTime<Utc>) -> Result<CleanupReport, StoreError> {
+    async fn delete_all(
+        &self,
+        now: DateTime<Utc>,
+        shutdown: &tokio_util::sync::CancellationToken,
+    ) -> Result<CleanupReport, StoreError> {
         let mut report = CleanupReport::default();
         for table in ExpiringTable::ALL {
             let mut total = 0u64;
             for _ in 0..self.settings.max_batches {
+                if shutdown.is_cancelled() {
+                    report.deleted.push((table, total));
+                    tracing::info!(table = table.name(), deleted = total, "cleanup round stopped by shutdown");
+                    return Ok(report);
+                }
                 // each batch its own short transaction (also what a transaction pooler needs)
                 let mut tx = self.store.small_tx().await.map_err(map_sqlx_error)?;
                 let n = delete_batch(&mut tx, table, now, self.settings.batch_size).await?;
@@ -307,7 +326,10 @@ impl Cleaner {
                 if n < self.settings.batch_size as u64 {
                     break;
                 }
-                tokio::time::sleep(self.settings.pause).await;
+                tokio::select! {
+                    _ = shutdown.cancelled() => {}
+                    _ = tokio::time::sleep(self.settings.pause) => {}
+                }
             }
             report.deleted.push((table, total));
         }
@@ -336,7 +358,7 @@ impl Cleaner {
         shutdown: tokio_util::sync::CancellationToken,
     ) {
         loop {
-            match self.run_once(clock.now()).await {
+            match self.run_once_until(clock.now(), &shutdown).await {
                 Ok(Some(report)) => {
                     let deleted: Vec<String> =
                         report.deleted.iter().map(|(t, n)| format!("{}={n}", t.name())).collect();

@@ -190,6 +190,20 @@ fn supported_parameters(url: &str) -> Result<std::borrow::Cow<'_, str>, StoreErr
     Ok(if kept.is_empty() { base.to_owned().into() } else { format!("{base}?{}", kept.join("&")).into() })
 }
 
+/// A transaction pooler (PgBouncer) refuses the `options` startup parameter idem sends with its session
+/// timeouts; its error (`08P01: unsupported startup parameter: options`) does not say what to do.
+fn pooler_hint(e: StoreError) -> StoreError {
+    let text = e.to_string();
+    if text.contains("unsupported startup parameter") {
+        StoreError::Other(format!(
+            "{text}: the server is a connection pooler (PgBouncer) — set DATABASE_POOLER=transaction (and \
+             DATABASE_DIRECT_URL to a direct connection for migrations and LISTEN)"
+        ))
+    } else {
+        e
+    }
+}
+
 fn parse_url(url: &str) -> Result<PgConnectOptions, StoreError> {
     supported_parameters(url)?.parse().map_err(|e: sqlx::Error| StoreError::Other(format!("invalid database url: {e}")))
 }
@@ -241,7 +255,7 @@ impl PgStore {
             })
             .connect_with(options)
             .await
-            .map_err(map_sqlx_error)?;
+            .map_err(|e| pooler_hint(map_sqlx_error(e)))?;
         Ok(Self::with_settings(pool, settings))
     }
 

@@ -132,6 +132,14 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{e} (write durations like 48h, 30m, 500ms)"))
 }
 
+fn parse_cleanup_pause(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d > Duration::from_secs(1) {
+        return Err("CLEANUP_PAUSE must be at most 1s (a round pauses after each of up to 10,000 batches)".into());
+    }
+    Ok(d)
+}
+
 fn parse_vacuum_interval(s: &str) -> Result<Duration, String> {
     let d = parse_duration(s)?;
     if d < Duration::from_millis(100) {
@@ -326,8 +334,8 @@ pub struct CleanupPace {
     /// Rows per DELETE statement.
     #[arg(id = "cleanup_batch_size", long = "cleanup-batch-size", env = "CLEANUP_BATCH_SIZE", default_value_t = 5000, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
     pub batch_size: i64,
-    /// Pause between two DELETE statements of a round.
-    #[arg(id = "cleanup_pause", long = "cleanup-pause", env = "CLEANUP_PAUSE", default_value = "5ms", value_parser = parse_duration)]
+    /// Pause between two DELETE statements of a round (at most 1s: a round of 10,000 batches must still end).
+    #[arg(id = "cleanup_pause", long = "cleanup-pause", env = "CLEANUP_PAUSE", default_value = "5ms", value_parser = parse_cleanup_pause)]
     pub pause: Duration,
 }
 
@@ -414,6 +422,10 @@ pub struct ServeArgs {
     /// is kept (slow or half-sent requests are disconnected).
     #[arg(long, env = "HTTP_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub http_header_read_timeout: Duration,
+    /// Longest wait for the first byte of a new connection (capped by HTTP_HEADER_READ_TIMEOUT): sockets
+    /// that open and send nothing hold a connection slot only this long.
+    #[arg(long, env = "HTTP_FIRST_BYTE_TIMEOUT", default_value = "3s", value_parser = parse_duration)]
+    pub http_first_byte_timeout: Duration,
     /// Longest time a client may take to send a request body (nothing runs before it is complete).
     #[arg(long, env = "HTTP_BODY_READ_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub http_body_read_timeout: Duration,

@@ -45,6 +45,7 @@ fn relay(store: &PgStore, cluster: &KafkaConnection, relay_args: &RelayArgs, reg
 fn http_limits(args: &ServeArgs) -> idem_http::server::ServerLimits {
     idem_http::server::ServerLimits {
         header_read_timeout: args.http_header_read_timeout,
+        first_byte_timeout: args.http_first_byte_timeout,
         body_read_timeout: args.http_body_read_timeout,
         max_connections: args.http_max_connections as usize,
         request_timeout: args.http_request_timeout,

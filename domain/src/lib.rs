@@ -11,6 +11,7 @@ pub mod events;
 pub mod idempotency;
 pub mod money;
 pub mod payment;
+pub mod phases;
 pub mod saga;
 pub mod ttl;
 pub mod usecases;

@@ -10,6 +10,13 @@ use idem_postgres::PgUnitOfWork;
 /// [`PgTx::connection`] without a conversion that could fail in the handler. Whether the idempotency layer
 /// of the route runs on a [`PgStore`](idem_postgres::PgStore) is checked once, when the handler is called: a
 /// route whose layer runs on another store answers 500 and logs why, before the handler runs.
+///
+/// **Write through it, and only through it.** What the handler writes on [`PgTx::connection`] commits with
+/// the key's idempotency record and the stored answer, or not at all. A write through the pool (or any
+/// other connection) commits on its own: a crash between it and the layer's commit leaves the write without
+/// its record (the retry executes again) or the record without the write. A handler that answers without
+/// taking its `PgTx` at all is logged at `debug` with its route (`the handler answered without taking its
+/// unit of work`).
 #[derive(Debug)]
 pub struct PgTx(Tx);
 

@@ -6,6 +6,8 @@
 //!   between publishing and marking), with receivers deduplicating by `event_id`.
 //! - [`dedup_window`]: the dedup window with a real clock — admission floor and ceiling, row retention,
 //!   cleanup, late admissions — using the domain's own rules (`TtlPolicy::admission`, `retain_until`).
+//! - [`phases`]: phases around a foreign call (a provider charge) with leases, fencing and takeovers,
+//!   crashes at every step and a provider deduplicating by key, on the domain's `phases` rules.
 //! - [`key_window`]: the end of an `Idempotency-Key`'s retention with hosts' clocks off the database's,
 //!   using the domain's key floor (`IdempotencyKey::is_expired`) and `retain_until`.
 //!
@@ -21,3 +23,4 @@ pub mod dedup_window;
 pub mod http_claim;
 pub mod inbox_outbox;
 pub mod key_window;
+pub mod phases;

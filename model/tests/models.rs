@@ -6,6 +6,7 @@ use idem_model::dedup_window::{self, DedupWindow, WindowVariant};
 use idem_model::http_claim::{self, ClaimProtocol, HttpVariant};
 use idem_model::inbox_outbox::{self, InboxOutbox, KafkaVariant};
 use idem_model::key_window::{self, KeyVariant, KeyWindow};
+use idem_model::phases::{self, PhaseModel, PhaseVariant};
 use std::collections::BTreeSet;
 
 use stateright::{Checker, HasDiscoveries, Model};
@@ -118,4 +119,29 @@ fn a_v7_key_executes_once_whatever_the_hosts_clocks() {
 #[test]
 fn a_key_floor_without_a_clock_margin_executes_twice() {
     violated(KeyWindow::standard(KeyVariant::FloorWithoutMargin), key_window::AT_MOST_ONE_EXECUTION);
+}
+
+#[test]
+fn phases_around_a_provider_call_charge_once_and_always_finish() {
+    let checker = check(PhaseModel::standard(PhaseVariant::Idem));
+    assert!(checker.is_done(), "the state space was explored completely");
+    checker.assert_properties();
+}
+
+/// Issue 33: a downstream key that changes with the attempt charges again after a lost response.
+#[test]
+fn a_fresh_downstream_key_per_attempt_charges_twice() {
+    violated(PhaseModel::standard(PhaseVariant::FreshKeyPerAttempt), phases::AT_MOST_ONE_CHARGE);
+}
+
+/// Issue 33: a second phase without the fencing check lets a late original complete after the takeover.
+#[test]
+fn completion_without_fencing_completes_twice() {
+    violated(PhaseModel::standard(PhaseVariant::NoFencing), phases::ONE_COMPLETION);
+}
+
+/// Issue 33: taking over a live lease puts two calls in process at once, which the provider charges twice.
+#[test]
+fn a_takeover_of_a_live_lease_charges_twice() {
+    violated(PhaseModel::standard(PhaseVariant::TakeoverWithoutLapse), phases::AT_MOST_ONE_CHARGE);
 }

@@ -103,13 +103,33 @@ pub struct DlqRedriveArgs {
     pub json: bool,
 }
 
-async fn read_dlq(topics: &Topics, label: &'static str) -> anyhow::Result<Vec<DeadLetterMessage>> {
+/// Reads the dead-letter topic in bounded batches (`dlq::Reader`), handing each message to `visit` until it
+/// returns false: nothing holds the whole topic, payloads included, in memory.
+async fn scan_dlq<S: Send + 'static>(
+    topics: &Topics,
+    label: &'static str,
+    mut state: S,
+    mut visit: impl FnMut(&mut S, DeadLetterMessage) -> bool + Send + 'static,
+) -> anyhow::Result<S> {
     let (cluster, topic) = (topics.kafka.connection()?, topics.orders.dlq_topic());
     tokio::task::spawn_blocking(move || {
         let mut progress = Progress::new(label, None, 1000);
-        let read = dlq::read_all(&cluster, &topic, READ_TIMEOUT, |_| progress.inc());
+        let mut reader =
+            dlq::Reader::open(&cluster, &topic, READ_TIMEOUT).with_context(|| format!("reading {topic}"))?;
+        'read: loop {
+            let batch = reader.next_batch(500).with_context(|| format!("reading {topic}"))?;
+            if batch.is_empty() {
+                break;
+            }
+            for m in batch {
+                progress.inc();
+                if !visit(&mut state, m) {
+                    break 'read;
+                }
+            }
+        }
         progress.finish();
-        read.with_context(|| format!("reading {topic}"))
+        Ok(state)
     })
     .await?
 }
@@ -145,41 +165,57 @@ pub async fn dlq(command: DlqCommand) -> anyhow::Result<()> {
 type ReasonSummary = (usize, Option<DateTime<Utc>>, Option<DateTime<Utc>>);
 
 async fn dlq_list(args: DlqListArgs) -> anyhow::Result<()> {
-    let all = read_dlq(&args.topics, "reading dead letters").await?;
-    let matching: Vec<&DeadLetterMessage> = all.iter().filter(|m| args.filter.matches(m)).collect();
-    let mut by_reason: BTreeMap<String, ReasonSummary> = BTreeMap::new();
-    for m in &matching {
-        let e = by_reason.entry(m.reason()).or_default();
-        e.0 += 1;
-        let at = m.failed_at();
-        e.1 = match (e.1, at) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        e.2 = e.2.max(at);
-    }
+    /// The summary by reason, the count, and the first `limit` matching dead letters with their payload's
+    /// size (the payload itself is not kept).
+    type Listed = (BTreeMap<String, ReasonSummary>, usize, Vec<(DeadLetterMessage, usize)>);
+    let (filter, limit) = (args.filter.clone(), args.limit);
+    let start: Listed = (BTreeMap::new(), 0, Vec::new());
+    let (by_reason, total, listed) = scan_dlq(&args.topics, "reading dead letters", start, move |s, mut m| {
+        if filter.matches(&m) {
+            let e = s.0.entry(m.reason()).or_default();
+            e.0 += 1;
+            let at = m.failed_at();
+            e.1 = match (e.1, at) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            e.2 = e.2.max(at);
+            s.1 += 1;
+            if s.2.len() < limit {
+                let size = m.payload.len();
+                m.payload = Vec::new();
+                s.2.push((m, size));
+            }
+        }
+        true
+    })
+    .await?;
+    let json_row = |(m, size): &(DeadLetterMessage, usize)| {
+        let mut v = dead_letter_json(m, false);
+        v["payload_bytes"] = json!(size);
+        v
+    };
     if args.json {
         let summary: Vec<_> = by_reason
             .iter()
             .map(|(r, (n, first, last))| json!({"reason": r, "count": n, "first": first, "last": last}))
             .collect();
-        let rows: Vec<_> = matching.iter().take(args.limit).map(|m| dead_letter_json(m, false)).collect();
+        let rows: Vec<_> = listed.iter().map(json_row).collect();
         print_json(
-            &json!({"topic": args.topics.orders.dlq_topic(), "total": matching.len(), "by_reason": summary, "dead_letters": rows}),
+            &json!({"topic": args.topics.orders.dlq_topic(), "total": total, "by_reason": summary, "dead_letters": rows}),
         );
         return Ok(());
     }
-    say(&format!("{} dead letters in {} match", matching.len(), args.topics.orders.dlq_topic()));
+    say(&format!("{total} dead letters in {} match", args.topics.orders.dlq_topic()));
     let summary: Vec<Vec<String>> = by_reason
         .iter()
         .map(|(r, (n, first, last))| vec![untrusted(r.as_bytes(), false), n.to_string(), time(*first), time(*last)])
         .collect();
     print_table(&["REASON", "COUNT", "FIRST", "LAST"], &summary);
     say("");
-    let rows: Vec<Vec<String>> = matching
+    let rows: Vec<Vec<String>> = listed
         .iter()
-        .take(args.limit)
-        .map(|m| {
+        .map(|(m, _)| {
             vec![
                 position(m).to_string(),
                 time(m.failed_at()),
@@ -198,10 +234,17 @@ async fn dlq_list(args: DlqListArgs) -> anyhow::Result<()> {
 }
 
 async fn dlq_show(args: DlqShowArgs) -> anyhow::Result<()> {
-    let all = read_dlq(&args.topics, "reading dead letters").await?;
-    let m = all
-        .iter()
-        .find(|m| position(m) == args.position)
+    let wanted = args.position;
+    let found = scan_dlq(&args.topics, "reading dead letters", None, move |found, m| {
+        if position(&m) == wanted {
+            *found = Some(m);
+            return false; // found: the rest of the topic is not read
+        }
+        true
+    })
+    .await?;
+    let m = found
+        .as_ref()
         .with_context(|| format!("no dead letter at {} in {}", args.position, args.topics.orders.dlq_topic()))?;
     if args.json {
         print_json(&dead_letter_json(m, args.payload));

@@ -60,6 +60,10 @@ async fn the_service_runs_behind_pgbouncer_in_transaction_mode() -> anyhow::Resu
     let upstream: u16 = db.store.pool().connect_options().get_port();
     let bouncer = PgBouncer::start(upstream, 4).await?;
     let brokers = idem_tests::kafka_brokers().await?;
+    // issue 32.5: without DATABASE_POOLER the start fails on `options`, and now says what fixes it
+    let refused = Service::new(&bouncer.url_for(&db.url)?, &brokers).serve_output().await?;
+    assert!(refused.contains("unsupported startup parameter"), "{refused}");
+    assert!(refused.contains("set DATABASE_POOLER=transaction"), "no hint at the fix:\n{refused}");
     let mut service = Service::new(&bouncer.url_for(&db.url)?, &brokers)
         .with_env("DATABASE_POOLER", "transaction")
         .with_env("DATABASE_DIRECT_URL", &db.url);

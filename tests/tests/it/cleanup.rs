@@ -270,3 +270,24 @@ async fn the_outbox_dead_tuple_gauge_is_set() -> anyhow::Result<()> {
     assert!(dead >= 50, "the outbox's dead tuples were not exported: {dead}");
     Ok(())
 }
+
+/// Issue 32.5: a cleaner round ignored shutdown: a large round (here 100 batches with a 100 ms pause) kept
+/// the service's drain waiting until its end. It stops between two batches once shutdown is asked.
+#[tokio::test]
+async fn a_cleanup_round_stops_between_batches_on_shutdown() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let now = Utc::now();
+    seed(&db, 5_000, now - chrono::Duration::hours(1), "old").await?;
+    let settings = CleanupSettings { batch_size: 50, pause: Duration::from_millis(100), ..CleanupSettings::default() };
+    let cleaner = Cleaner::new(db.store.clone(), settings);
+    let shutdown = CancellationToken::new();
+    let token = shutdown.clone();
+    let round =
+        tokio::spawn(async move { cleaner.run(&idem_ports::SystemClock, Duration::from_secs(3600), token).await });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(2), round).await??;
+    let left = db.count("idempotency_record").await?;
+    assert!(left > 0 && left < 5_000, "{left} rows left: the round neither ran nor stopped");
+    Ok(())
+}

@@ -1,0 +1,212 @@
+//! Exactly once across a call to another system: phases, recovery points, leases with fencing.
+//!
+//! An effect at another system (a charge at a payment provider, an email, another service's API) cannot
+//! join the database transaction that records it. So the work is cut in phases around the call:
+//!
+//! 1. **first phase** (one unit of work): claim the record, validate, write the intent (a `pending`
+//!    payment) and a recovery point; the record is *in progress* under a [`Lease`] held by this attempt;
+//! 2. **the call**, with no transaction open and no pooled connection held, under a [`downstream_key`]
+//!    that is the same on every attempt, so the other side deduplicates a repeated call;
+//! 3. **second phase** (one unit of work): record the foreign result, the business effect, the outbox row
+//!    and the stored answer — committed only if this attempt still owns the record ([`may_complete`]: the
+//!    attempt number is the fencing token).
+//!
+//! A retry or a takeover resumes at the recovery point, never from scratch: while the lease runs, a
+//! duplicate is told the request is in flight ([`Claim::InFlight`]); once it lapsed (the process died, the
+//! call hung past its bound), the next retry or the completer takes the record over with the next attempt
+//! number ([`Claim::TakeOver`]), and the late original can neither complete (fenced out) nor call with
+//! another key (the key does not depend on the attempt).
+//!
+//! These are the rules; `model/src/phases.rs` checks them exhaustively with crashes at every step, and the
+//! stores and the layer apply them.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sha2::{Digest, Sha256};
+
+/// How long an attempt owns an in-progress record without renewing it (`IDEMPOTENCY_LEASE`, 30 s by
+/// default): long enough for a foreign call's bound, short enough that a crashed attempt's client or the
+/// completer resumes soon.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
+/// An attempt's hold on an in-progress record: its number (the fencing token; every takeover takes the
+/// next one) and until when it holds without renewing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Lease {
+    /// 1 for the first attempt, one more for each takeover.
+    pub attempt: u32,
+    /// When it lapses unless renewed.
+    pub until: DateTime<Utc>,
+}
+
+impl Lease {
+    /// The first attempt's lease, from `now` for `length`.
+    pub fn first(now: DateTime<Utc>, length: Duration) -> Self {
+        Self { attempt: 1, until: now + chrono_duration(length) }
+    }
+
+    /// Whether it still holds at `now`.
+    pub fn holds(&self, now: DateTime<Utc>) -> bool {
+        now < self.until
+    }
+
+    /// The same attempt's lease renewed at `now` (while its call runs).
+    pub fn renewed(self, now: DateTime<Utc>, length: Duration) -> Self {
+        Self { attempt: self.attempt, until: now + chrono_duration(length) }
+    }
+}
+
+fn chrono_duration(d: Duration) -> chrono::Duration {
+    chrono::Duration::from_std(d).unwrap_or(chrono::Duration::seconds(30))
+}
+
+/// Where an in-progress record is, as its store holds it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct InProgress {
+    /// The attempt holding it.
+    pub lease: Lease,
+    /// The last recovery point the record reached (the handler's own name: `intent-written`,
+    /// `charge-called`, …): a resumed attempt starts there.
+    pub recovery_point: String,
+}
+
+/// What an attempt may do with the record of its key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// No record: this attempt claims it with the first lease and starts from the beginning.
+    New(Lease),
+    /// An attempt holds it: answer "in flight" and retry after the lease.
+    InFlight {
+        /// How long until the lease lapses (at least a second).
+        retry_after: Duration,
+    },
+    /// The holder's lease lapsed: this attempt takes the record over with the next attempt number and
+    /// resumes at the recovery point.
+    TakeOver {
+        /// The new lease.
+        lease: Lease,
+        /// Where to resume.
+        resume_at: String,
+    },
+}
+
+/// The claim of an attempt at `now` on a record in progress (`None`: no record yet). A record is taken
+/// over only when its lease lapsed: taking over a live lease would put two calls in flight at once.
+pub fn claim(existing: Option<&InProgress>, now: DateTime<Utc>, length: Duration) -> Claim {
+    match existing {
+        None => Claim::New(Lease::first(now, length)),
+        Some(p) if p.lease.holds(now) => Claim::InFlight {
+            retry_after: (p.lease.until - now).to_std().unwrap_or_default().max(Duration::from_secs(1)),
+        },
+        Some(p) => Claim::TakeOver {
+            lease: Lease { attempt: p.lease.attempt + 1, until: now + chrono_duration(length) },
+            resume_at: p.recovery_point.clone(),
+        },
+    }
+}
+
+/// Whether an attempt holding `mine` may commit its phase (the second one, a recovery point, a lease
+/// renewal) on a record whose stored attempt is `stored`: only the current attempt may. A late original
+/// whose record was taken over is fenced out: its phase commits nothing.
+pub fn may_complete(stored: u32, mine: u32) -> bool {
+    stored == mine
+}
+
+/// The idempotency key of a foreign call: derived from whose request it is (`scope` and `key`, or a
+/// consumer and an `event_id`, or a `saga_id`) and the step's name, never from the attempt — so every
+/// attempt, on every instance, after any restart, sends the same key for the same step, and two steps of
+/// one request send different ones. 64 hexadecimal digits (a SHA-256), under the 255 characters every API
+/// that takes such a key accepts.
+pub fn downstream_key(scope: &str, key: &str, step: &str) -> String {
+    let mut hash = Sha256::new();
+    for part in [scope, key, step] {
+        // length-prefixed, so ("ab", "c") and ("a", "bc") differ
+        hash.update((part.len() as u64).to_be_bytes());
+        hash.update(part.as_bytes());
+    }
+    hex::encode(hash.finalize())
+}
+
+/// What a foreign call's answer means for the record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CallOutcome {
+    /// It happened: the second phase records it.
+    Succeeded,
+    /// The other side refused for good (a declined card, a key reused with other parameters): a final
+    /// answer, stored and replayed, never attempted again.
+    Refused,
+    /// Nobody knows whether it happened (a timeout, a reset, a refused connection, `5xx`, `429`, the
+    /// other side's own "in progress"): the record stays at its recovery point; the client is told
+    /// `503 outcome-unknown`, and the retry or the completer calls again with the same key.
+    Unknown,
+}
+
+/// The outcome an HTTP answer of the other side means (`None`: no answer — a timeout, a reset, a refused
+/// connection). `2xx` succeeded; `409` (its own "in progress"), `429` and `5xx` are unknown; any other
+/// `4xx` is a refusal.
+pub fn http_outcome(status: Option<u16>) -> CallOutcome {
+    match status {
+        Some(200..=299) => CallOutcome::Succeeded,
+        Some(409 | 429) | Some(500..=599) | None => CallOutcome::Unknown,
+        Some(400..=499) => CallOutcome::Refused,
+        Some(_) => CallOutcome::Unknown,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(s: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(1_800_000_000 + s, 0).unwrap_or_default()
+    }
+
+    #[test]
+    fn a_live_lease_is_in_flight_and_a_lapsed_one_is_taken_over_with_the_next_attempt() {
+        let lease = Duration::from_secs(30);
+        let Claim::New(first) = claim(None, at(0), lease) else { panic!("a new record") };
+        assert_eq!(first, Lease { attempt: 1, until: at(30) });
+        let held = InProgress { lease: first, recovery_point: "intent-written".into() };
+        assert_eq!(claim(Some(&held), at(10), lease), Claim::InFlight { retry_after: Duration::from_secs(20) });
+        assert_eq!(claim(Some(&held), at(29), lease), Claim::InFlight { retry_after: Duration::from_secs(1) });
+        assert_eq!(
+            claim(Some(&held), at(30), lease),
+            Claim::TakeOver { lease: Lease { attempt: 2, until: at(60) }, resume_at: "intent-written".into() }
+        );
+        assert!(may_complete(2, 2) && !may_complete(2, 1), "the late original is fenced out");
+        assert_eq!(first.renewed(at(20), lease), Lease { attempt: 1, until: at(50) });
+    }
+
+    #[test]
+    fn the_downstream_key_is_the_same_for_every_attempt_and_differs_by_step_and_request() {
+        let k = downstream_key("merchant_a", "key-1", "charge");
+        assert_eq!(k, downstream_key("merchant_a", "key-1", "charge"));
+        assert_eq!(k.len(), 64);
+        assert!(k.bytes().all(|b| b.is_ascii_hexdigit()), "{k}");
+        for other in [
+            downstream_key("merchant_a", "key-1", "refund"),
+            downstream_key("merchant_b", "key-1", "charge"),
+            downstream_key("merchant_a", "key-2", "charge"),
+            downstream_key("merchant_", "akey-1", "charge"),
+        ] {
+            assert_ne!(k, other);
+        }
+        // pinned: a change of the derivation would make every retry across a deploy a new call
+        assert_eq!(
+            downstream_key("s", "k", "charge"),
+            "d4ff8ba8714c9e0e3b8c0df59b60fa7d690093ab3351abffc3b69a995d4e29da"
+        );
+    }
+
+    #[test]
+    fn answers_of_the_other_side_are_classified() {
+        assert_eq!(http_outcome(Some(200)), CallOutcome::Succeeded);
+        for refused in [400, 402, 404, 422] {
+            assert_eq!(http_outcome(Some(refused)), CallOutcome::Refused, "{refused}");
+        }
+        for unknown in [None, Some(409), Some(429), Some(500), Some(503), Some(302)] {
+            assert_eq!(http_outcome(unknown), CallOutcome::Unknown, "{unknown:?}");
+        }
+    }
+}
