@@ -23,7 +23,20 @@ pub struct Ops {
     pub registry: Arc<Registry>,
     pub gauges: Gauges,
     pub cleanup: Arc<CleanupStats>,
+    /// The last readiness probe's result (`None` before the first): `/readyz` serves it, so a caller of an
+    /// exposed admin listener never makes the service ping its database or fetch broker metadata.
+    pub readiness: Arc<std::sync::Mutex<Option<Readiness>>>,
 }
+
+/// What the last readiness probe found: each dependency's error, if any.
+#[derive(Clone, Debug, Default)]
+pub struct Readiness {
+    pub database: Option<String>,
+    pub broker: Option<String>,
+}
+
+/// How often readiness is probed in the background.
+pub const READINESS_EVERY: Duration = Duration::from_secs(1);
 
 /// Gauges refreshed in the background (the alert rules in `ops/prometheus/` read them).
 #[derive(Clone, Default)]
@@ -65,6 +78,46 @@ pub fn public_router() -> Router {
 }
 
 impl Ops {
+    /// Probes the database and the broker every `every` until `shutdown`, for `/readyz`; a change is logged
+    /// once, not on every probe.
+    pub async fn probe_readiness_until(&self, shutdown: tokio_util::sync::CancellationToken, every: Duration) {
+        loop {
+            let was = self.readiness.lock().map(|r| r.clone()).unwrap_or_default().unwrap_or_default();
+            let now = self.probe_once().await;
+            if now.database.is_some() != was.database.is_some() {
+                match &now.database {
+                    Some(e) => tracing::warn!(error = %e, "readiness: database unreachable"),
+                    None => tracing::info!("readiness: database reachable"),
+                }
+            }
+            if now.broker.is_some() != was.broker.is_some() {
+                match &now.broker {
+                    Some(e) => tracing::warn!(error = %e, "readiness: broker unreachable"),
+                    None => tracing::info!("readiness: broker reachable"),
+                }
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+        }
+    }
+
+    /// One probe of the database and the broker (each bounded by 2 s), stored for `/readyz`.
+    async fn probe_once(&self) -> Readiness {
+        let database = match tokio::time::timeout(Duration::from_secs(2), self.store.ping()).await {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(_) => Some("timed out".to_owned()),
+        };
+        let broker = self.broker.check(Duration::from_secs(2)).await.err().map(|e| e.to_string());
+        let now = Readiness { database, broker };
+        if let Ok(mut last) = self.readiness.lock() {
+            *last = Some(now.clone());
+        }
+        now
+    }
+
     /// Refreshes the database-backed gauges every `every` until `shutdown`: a scrape only encodes.
     pub async fn refresh_until(&self, shutdown: tokio_util::sync::CancellationToken, every: Duration) {
         loop {
@@ -97,26 +150,17 @@ pub fn router(ops: Ops) -> Router {
         .with_state(ops)
 }
 
+/// The last probe's result (see [`Ops::probe_readiness_until`]).
 async fn ready(State(ops): State<Ops>) -> impl IntoResponse {
-    let db = tokio::time::timeout(Duration::from_secs(2), ops.store.ping()).await;
-    let db = match db {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err("timed out".to_owned()),
+    let cached = ops.readiness.lock().map(|r| r.clone()).unwrap_or_default();
+    let last = match cached {
+        Some(last) => last,
+        None => ops.probe_once().await, // before the first background probe: once, then cached
     };
-    let broker = ops.broker.check(Duration::from_secs(2)).await;
-    let body = serde_json::json!({
-        "database": db.as_ref().map(|_| "ok").unwrap_or("unreachable"),
-        "broker": broker.as_ref().map(|_| "ok").unwrap_or("unreachable"),
-    });
-    let status = if db.is_ok() && broker.is_ok() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    if let Err(e) = &db {
-        tracing::warn!(error = %e, "readiness: database unreachable");
-    }
-    if let Err(e) = &broker {
-        tracing::warn!(error = %e, "readiness: broker unreachable");
-    }
-    (status, axum::Json(body))
+    let word = |e: &Option<String>| if e.is_none() { "ok" } else { "unreachable" };
+    let body = serde_json::json!({ "database": word(&last.database), "broker": word(&last.broker) });
+    let ok = last.database.is_none() && last.broker.is_none();
+    (if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, axum::Json(body))
 }
 
 async fn metrics(State(ops): State<Ops>) -> impl IntoResponse {

@@ -260,6 +260,7 @@ fn operations(
         registry: Arc::new(registry),
         gauges,
         cleanup,
+        readiness: Arc::default(),
     })
 }
 
@@ -294,6 +295,11 @@ impl Listeners {
         let (gauges, token) = (ops.clone(), shutdown.clone());
         group.spawn("gauges", async move {
             gauges.refresh_until(token, std::time::Duration::from_secs(10)).await;
+            Ok(())
+        });
+        let (probe, token) = (ops.clone(), shutdown.clone());
+        group.spawn("readiness", async move {
+            probe.probe_readiness_until(token, ops::READINESS_EVERY).await;
             Ok(())
         });
         let app = api.merge(ops::public_router()).layer(TraceLayer::new_for_http().make_span_with(

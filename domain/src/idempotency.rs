@@ -434,6 +434,26 @@ mod tests {
         Fingerprint::of_request("POST", "/x", body.as_bytes())
     }
 
+    /// Issue 32.5: `IDEMPOTENCY_TTL` raised from 24 h to 72 h by a rolling deploy that takes 5 hours: old
+    /// instances keep writing 24 h records meanwhile. A key dated 2 h after the raise began, recorded by an
+    /// old instance, is gone 24 h later; retried 30 h after its time it must be refused. Keys got only an
+    /// hour of "recorded before the raise" allowance; now they get the day events get.
+    #[test]
+    fn a_key_recorded_by_an_old_instance_during_a_rolling_raise_keeps_the_old_limit() {
+        let hours = |h: u64| std::time::Duration::from_secs(h * 3600);
+        let since = DateTime::from_timestamp(1_800_000_000, 0).expect("valid");
+        let ttl = crate::TtlPolicy::new(hours(72)).expect("valid").raised_from(hours(24), since);
+        let key_time = since + chrono::Duration::hours(2);
+        let id = uuid::Builder::from_unix_timestamp_millis(
+            u64::try_from(key_time.timestamp_millis()).expect("positive"),
+            &[2; 10],
+        )
+        .into_uuid();
+        let key = IdempotencyKey::parse(&id.to_string()).expect("a key");
+        assert!(key.is_expired(&ttl, key_time + chrono::Duration::hours(30)), "accepted after its 24 h record");
+        assert!(!key.is_expired(&ttl, key_time + chrono::Duration::hours(20)), "refused inside the old retention");
+    }
+
     /// Issue 32.4, as reproduced: TTL 48 h, a refund's v7 key dated 48 h 20 min before the database's
     /// clock, so its record (expiring at key time + 48 h) was cleaned up by the database's clock; the host
     /// checking the retry is 50 minutes behind. The key must be refused, not executed again.

@@ -396,3 +396,35 @@ async fn replays_resume_after_a_freeze_with_the_fast_path_never() -> anyhow::Res
 }
 
 use sqlx::Connection;
+
+/// Issue 38.5: every `/readyz` pinged the database and fetched broker metadata, so whoever reached an
+/// exposed admin listener made the service work (and with the database path frozen, each call took the
+/// ping's 2 s bound). It now serves the result of a background probe: with the path frozen, twenty calls
+/// are each answered at once, and within seconds they say the database is unreachable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_is_served_from_a_background_probe() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let upstream: u16 = db.store.pool().connect_options().get_port();
+    let proxy = FreezingProxy::start(upstream).await?;
+    let through = db.url.replacen(&format!(":{upstream}/"), &format!(":{}/", proxy.port), 1);
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&through, &brokers);
+    service.start().await?;
+    let ready = || async { anyhow::Ok(reqwest::get(format!("{}/readyz", service.admin)).await?) };
+    let ok = eventually(Duration::from_secs(15), || async { Ok(ready().await?.status() == 200) }).await?;
+    assert!(ok, "never ready");
+    proxy.freeze();
+    let mut slowest = Duration::ZERO;
+    let mut last = String::new();
+    for _ in 0..20 {
+        let started = Instant::now();
+        let reply = ready().await?;
+        slowest = slowest.max(started.elapsed());
+        last = reply.text().await?;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    println!("slowest /readyz with the database path frozen: {slowest:?}; last: {last}");
+    assert!(slowest < Duration::from_millis(500), "a /readyz took {slowest:?}: it probed the database itself");
+    assert!(last.contains("\"database\":\"unreachable\""), "{last}");
+    Ok(())
+}
