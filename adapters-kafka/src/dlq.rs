@@ -116,13 +116,16 @@ pub fn read_all(
     }
 }
 
-/// Reads a dead-letter topic in batches, up to the high watermarks it found when opened, so a large topic
+/// Reads a dead-letter topic in batches, up to the high watermarks it found when opened (and on, until a
+/// poll finds nothing: what was written meanwhile is read too), so a large topic
 /// is never held in memory at once (`idem dlq redrive --all-matching` re-drives batch by batch). Blocking:
 /// call it off the async workers.
 pub struct Reader {
     consumer: BaseConsumer,
     /// Partitions still to read, with their end offsets.
     ends: std::collections::HashMap<i32, i64>,
+    /// Every partition reached its end and a poll then found nothing more.
+    done: bool,
     /// Longest wait for the next message.
     timeout: Duration,
 }
@@ -158,20 +161,27 @@ impl Reader {
         if !ends.is_empty() {
             consumer.assign(&assignment)?;
         }
-        Ok(Self { consumer, ends, timeout })
+        let done = ends.is_empty();
+        Ok(Self { consumer, ends, done, timeout })
     }
 
     /// Up to `max` further messages; empty once every partition was read to its end.
     pub fn next_batch(&mut self, max: usize) -> Result<Vec<DeadLetterMessage>, rdkafka::error::KafkaError> {
         let mut out = Vec::new();
         let deadline = std::time::Instant::now() + self.timeout;
-        while !self.ends.is_empty() && out.len() < max {
+        while !self.done && out.len() < max {
             if std::time::Instant::now() > deadline {
                 return Err(rdkafka::error::KafkaError::MessageConsumption(
                     rdkafka::types::RDKafkaErrorCode::OperationTimedOut,
                 ));
             }
-            let Some(m) = self.consumer.poll(Duration::from_millis(200)) else { continue };
+            let Some(m) = self.consumer.poll(Duration::from_millis(200)) else {
+                // Past every end offset the broker reported, reading goes on until a poll finds nothing:
+                // tansu reports a batch written at once as one offset (Apache Kafka counts its records),
+                // and stopping at that watermark read 1 of 20 dead letters.
+                self.done = self.ends.is_empty();
+                continue;
+            };
             let m = m?;
             let message = DeadLetterMessage {
                 partition: m.partition(),

@@ -1044,3 +1044,30 @@ async fn a_handler_that_swallows_a_failed_statement_does_not_stall_its_partition
     assert!(error.contains("25P02"), "the dead letter names the SQLSTATE: {error}");
     Ok(())
 }
+
+/// Issue 32.7: twenty dead letters written as one produce batch were read as one by `dlq::Reader` on tansu
+/// (a plain consumer read all twenty): the reader stopped at a high watermark the broker reported wrong.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dead_letter_reader_reads_a_batch_written_at_once() -> anyhow::Result<()> {
+    let brokers = idem_tests::kafka_brokers().await?;
+    let topic = unique_topic("dlq-batch");
+    create_topic(&brokers, &topic, 1).await?;
+    let p: rdkafka::producer::FutureProducer =
+        idem_kafka::ProducerSettings::new(&brokers).client_config().set("linger.ms", "200").create()?;
+    let sends = (0..20).map(|i| {
+        let (key, p, topic) = (format!("k{i}"), p.clone(), topic.clone());
+        async move {
+            let record = rdkafka::producer::FutureRecord::to(&topic).key(&key).payload("{}");
+            p.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e)
+        }
+    });
+    let delivered = futures::future::join_all(sends).await;
+    assert!(delivered.iter().all(Result::is_ok), "{delivered:?}");
+    let topic_read = topic.clone();
+    let read = tokio::task::spawn_blocking(move || {
+        idem_kafka::dlq::read_all(&(&brokers).into(), &topic_read, Duration::from_secs(30), |_| {})
+    })
+    .await??;
+    assert_eq!(read.len(), 20, "read {} of 20 dead letters written as one batch", read.len());
+    Ok(())
+}
