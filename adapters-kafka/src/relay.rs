@@ -229,6 +229,10 @@ fn record_headers(row: &OutboxRecord) -> OwnedHeaders {
     headers
 }
 
+/// How long a round in flight may go on after shutdown was asked before it is abandoned (its rows stay in
+/// the outbox): enough for a healthy broker's acknowledgements, far below the drain bound.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
 impl Relay {
     /// A relay publishing `tm`'s outbox rows.
     pub fn new(settings: RelaySettings, tm: Arc<dyn TransactionManager>, clock: Arc<dyn Clock>) -> Self {
@@ -284,7 +288,10 @@ impl Relay {
             (0..self.settings.concurrency.max(1)).map(|_| self.worker(&producer, &claim, &follow_up, &shutdown));
         let (_, results) = tokio::join!(listen, futures::future::join_all(workers));
         let producer = producer.into_inner();
-        let _ = producer.flush(Duration::from_secs(5));
+        // what is still queued belongs to abandoned rounds (their rows stay in the outbox): purged, not
+        // waited for — a flush blocks the thread until the delivery timeout while the broker is away
+        producer.purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
+        let _ = tokio::task::spawn_blocking(move || producer.flush(Duration::from_millis(500))).await;
         tracing::info!("outbox relay stopped");
         results.into_iter().collect()
     }
@@ -309,12 +316,25 @@ impl Relay {
             wanted = false;
             let current = producer.read().await.clone();
             let bounded = tokio::time::timeout(self.settings.round_timeout, self.round(&current));
-            let round = bounded.await.unwrap_or_else(|_| {
-                Err(StoreError::Unavailable(format!(
-                    "the round did not end within {} s: abandoned (rolled back unless its commit was under way)",
-                    self.settings.round_timeout.as_secs()
-                )))
-            });
+            let abandon = async {
+                shutdown.cancelled().await;
+                tokio::time::sleep(SHUTDOWN_GRACE).await;
+            };
+            let round = tokio::select! {
+                bounded = bounded => bounded.unwrap_or_else(|_| {
+                    Err(StoreError::Unavailable(format!(
+                        "the round did not end within {} s: abandoned (rolled back unless its commit was under way)",
+                        self.settings.round_timeout.as_secs()
+                    )))
+                }),
+                () = abandon => {
+                    // the broker did not acknowledge in time: the round's rows stay in the outbox (the next
+                    // start publishes them; one that was written meanwhile is a duplicate receivers drop by
+                    // its event_id), and the shutdown does not wait for the delivery timeout
+                    tracing::warn!(grace = ?SHUTDOWN_GRACE, "shutdown: the round in flight is abandoned; its rows stay in the outbox");
+                    break;
+                }
+            };
             let pause = match round {
                 Ok(round) if round.failed == 0 => {
                     backoff.reset();

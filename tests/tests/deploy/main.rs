@@ -428,3 +428,32 @@ async fn readiness_is_served_from_a_background_probe() -> anyhow::Result<()> {
     assert!(last.contains("\"database\":\"unreachable\""), "{last}");
     Ok(())
 }
+
+/// Issue 32.5: `idem serve` asked to stop while the broker is cut (a relay round waiting for deliveries, the
+/// consumer unable to leave its group) exited non-zero ("shutdown timed out") after the whole drain. A
+/// clean shutdown exits 0 promptly whatever the broker does; the unpublished rows stay in the outbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_while_the_broker_is_cut_exits_cleanly_and_promptly() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let broker = idem_tests::kafka::ProxiedBroker::start().await?;
+    let mut service = Service::new(&db.url, &broker.bootstrap).with_env("SHUTDOWN_TIMEOUT", "20s");
+    service.start().await?;
+    let client = service.client();
+    charge_and_replay(&client, "before-cut", 3, 3).await?;
+    let published = eventually(Duration::from_secs(30), || async {
+        Ok(count(&db, "SELECT count(*) FROM outbox_message").await? == 0)
+    })
+    .await?;
+    assert!(published, "the first charges were not published");
+    broker.proxy.cut();
+    charge_and_replay(&client, "during-cut", 3, 3).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await; // a relay round is waiting for its deliveries
+    let asked = Instant::now();
+    let clean = service.terminate();
+    let took = asked.elapsed();
+    println!("SIGTERM with the broker cut: exited cleanly {clean} after {took:?}");
+    assert!(clean, "a shutdown with the broker cut exited non-zero");
+    assert!(took < Duration::from_secs(10), "the shutdown took {took:?}");
+    assert_eq!(count(&db, "SELECT count(*) FROM outbox_message").await?, 3, "the cut's charges wait in the outbox");
+    Ok(())
+}
