@@ -79,9 +79,11 @@ pub enum Pooler {
     /// Through a transaction pooler (PgBouncer `pool_mode = transaction`): a server connection belongs to
     /// the client only for one transaction. So every statement runs in an explicit transaction (sqlx's
     /// extended protocol spans two round trips, which the pooler may otherwise serve from two servers),
-    /// which begins with `DEALLOCATE ALL` (statements another client left on the server connection cannot
-    /// collide with this one's) and sets the timeouts with `SET LOCAL` (no `options` startup parameter, no
-    /// session state). No statement cache: each statement is prepared again in each transaction.
+    /// which begins by removing the statements named like sqlx's that another client left on the server
+    /// connection (they would collide with this one's; other statements are left alone) and sets what idem
+    /// depends on with `SET LOCAL` — timeouts, `search_path`, `lock_timeout`, `synchronous_commit`,
+    /// isolation — whatever another client's session set (no `options` startup parameter, no session
+    /// state). No statement cache: each statement is prepared again in each transaction.
     Transaction,
 }
 
@@ -135,11 +137,23 @@ impl std::fmt::Debug for DirectOptions {
     }
 }
 
-/// `BEGIN` with what a transaction pooler needs (see [`Pooler::Transaction`]).
+/// `BEGIN` with what a transaction pooler needs (see [`Pooler::Transaction`]): the transaction's own
+/// settings, whatever another client of the server connection left in its session, and no statement
+/// named like sqlx's left by another client (sqlx prepares named statements even with its cache off and
+/// never closes them; removing only those leaves the statements other clients — or PgBouncer's own
+/// `max_prepared_statements` — rely on).
 fn pooled_begin(settings: &PoolSettings) -> String {
     format!(
-        "BEGIN; DEALLOCATE ALL; SET LOCAL statement_timeout = '{}ms'; \
-         SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
+        "BEGIN ISOLATION LEVEL READ COMMITTED READ WRITE; \
+         DO $idem$ DECLARE s record; BEGIN \
+           FOR s IN SELECT name FROM pg_prepared_statements WHERE name LIKE 'sqlx\\_s\\_%' LOOP \
+             EXECUTE format('DEALLOCATE %I', s.name); \
+           END LOOP; \
+         END $idem$; \
+         SET LOCAL statement_timeout = '{}ms'; \
+         SET LOCAL idle_in_transaction_session_timeout = '{}ms'; \
+         SET LOCAL search_path TO DEFAULT; SET LOCAL lock_timeout TO DEFAULT; \
+         SET LOCAL synchronous_commit TO DEFAULT",
         settings.statement_timeout.as_millis(),
         settings.idle_in_transaction_timeout.as_millis()
     )
@@ -400,16 +414,27 @@ impl PgStore {
     /// Behind a transaction pooler without a direct URL: fails when a migration is pending.
     async fn check_migrated(&self, sets: &[&sqlx::migrate::Migrator]) -> Result<(), StoreError> {
         let mut tx = self.small_tx().await.map_err(map_sqlx_error)?;
-        let applied: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
-            .fetch_all(&mut *tx)
-            .await
-            .unwrap_or_default();
+        let applied: Vec<(i64, Vec<u8>)> =
+            sqlx::query_as("SELECT version, checksum FROM _sqlx_migrations WHERE success")
+                .fetch_all(&mut *tx)
+                .await
+                .unwrap_or_default();
         let _ = tx.commit().await;
-        let pending = sets.iter().flat_map(|m| m.migrations.iter()).filter(|m| !applied.contains(&m.version)).count();
+        let migrations =
+            || sets.iter().flat_map(|m| m.migrations.iter()).filter(|m| m.migration_type.is_up_migration());
+        let pending = migrations().filter(|m| !applied.iter().any(|(v, _)| *v == m.version)).count();
         if pending > 0 {
             return Err(StoreError::Other(format!(
                 "{pending} migration(s) pending and the database is reached through a transaction pooler: set \
                  DATABASE_DIRECT_URL to a direct connection (migrations need a session of their own)"
+            )));
+        }
+        // as sqlx's migrator does: an applied migration whose text changed since is refused
+        if let Some(m) = migrations().find(|m| applied.iter().any(|(v, sum)| *v == m.version && **sum != *m.checksum)) {
+            return Err(StoreError::Other(format!(
+                "migration {} was applied with a different text (checksum mismatch): never edit an applied \
+                 migration",
+                m.version
             )));
         }
         Ok(())
@@ -441,12 +466,23 @@ impl PgStore {
     /// dead rows); the table never truncates (a migration sets `vacuum_truncate = false`: truncation takes
     /// an ACCESS EXCLUSIVE lock that would block the charges' inserts).
     pub async fn vacuum_outbox(&self) -> Result<(), StoreError> {
+        // The table's schema-qualified name, read in a transaction that sets `search_path` (behind a
+        // transaction pooler another client's session may have changed it): VACUUM runs outside any
+        // transaction, on a server connection whose session settings are not idem's.
+        let mut tx = self.small_tx().await.map_err(map_sqlx_error)?;
+        let table: Option<String> = sqlx::query_scalar(
+            "SELECT format('%I.%I', n.nspname, c.relname) FROM pg_class c \
+             JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass('outbox_message')",
+        )
+        .persistent(false)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(map_sqlx_error)?;
+        tx.commit().await.map_err(map_sqlx_error)?;
+        let table = table.ok_or_else(|| StoreError::Other("outbox_message does not exist: migrate first".into()))?;
         // simple protocol, no transaction (VACUUM cannot run in one): one round trip, fine through a pooler
-        sqlx::raw_sql("VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON) outbox_message")
-            .execute(&self.pool)
-            .await
-            .map(|_| ())
-            .map_err(map_sqlx_error)
+        let vacuum = format!("VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON) {table}");
+        sqlx::raw_sql(&vacuum).execute(&self.pool).await.map(|_| ()).map_err(map_sqlx_error)
     }
 
     /// Whether the database answers.

@@ -457,3 +457,36 @@ async fn sigterm_while_the_broker_is_cut_exits_cleanly_and_promptly() -> anyhow:
     assert_eq!(count(&db, "SELECT count(*) FROM outbox_message").await?, 3, "the cut's charges wait in the outbox");
     Ok(())
 }
+
+/// Issue 32.5: behind PgBouncer in transaction mode a server connection is shared by every client, one
+/// transaction at a time. Another client's session settings (`search_path`, `lock_timeout`,
+/// `synchronous_commit`) leaked into idem's transactions, and idem's `DEALLOCATE ALL` removed the statements
+/// another client had prepared. With one server connection for all: a charge succeeds whatever the other
+/// client set, and the other client's statement survives it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_pgbouncer_other_clients_settings_and_statements_are_left_alone() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    log_payment_attempts(&db).await?;
+    let upstream: u16 = db.store.pool().connect_options().get_port();
+    let bouncer = PgBouncer::start(upstream, 1).await?;
+    let pooled = bouncer.url_for(&db.url)?;
+    let mut other = sqlx::PgConnection::connect(&pooled).await?;
+    sqlx::raw_sql(
+        "SET search_path = nowhere; SET lock_timeout = '1ms'; SET synchronous_commit = off; \
+         PREPARE other_client_stmt AS SELECT 42",
+    )
+    .execute(&mut other)
+    .await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&pooled, &brokers)
+        .with_env("DATABASE_POOLER", "transaction")
+        .with_env("DATABASE_DIRECT_URL", &db.url)
+        .with_env("DATABASE_MAX_CONNECTIONS", "2")
+        .with_env("DATABASE_BACKGROUND_CONNECTIONS", "2");
+    service.start().await?;
+    charge_and_replay(&service.client(), "pgb-shared", 3, 1).await?;
+    let answer: i32 = sqlx::query_scalar("EXECUTE other_client_stmt").persistent(false).fetch_one(&mut other).await?;
+    assert_eq!(answer, 42, "the other client's prepared statement is gone");
+    assert_eq!(charges_executed_twice(&db).await?, vec![], "a charge was executed twice");
+    Ok(())
+}

@@ -555,3 +555,22 @@ async fn a_toolkit_database_holds_idems_tables_only_and_in_the_reference_shape()
     assert_eq!((recorded(&reference).await?, recorded(&toolkit).await?), (1, 1));
     Ok(())
 }
+
+/// Issue 32.5: behind a transaction pooler without a direct URL, the start checks that every migration was
+/// applied — by version only, so an applied migration edited since passed. Now its checksum is compared,
+/// as sqlx's migrator does on a direct connection.
+#[tokio::test]
+async fn behind_a_pooler_an_edited_applied_migration_is_refused() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let settings = idem_postgres::PoolSettings { pooler: idem_postgres::Pooler::Transaction, ..Default::default() };
+    let pooled = idem_postgres::PgStore::connect(&db.url, &settings).await?;
+    pooled.migrate_reference().await?;
+    sqlx::query(
+        "UPDATE _sqlx_migrations SET checksum = '\\x00' WHERE version = (SELECT min(version) FROM _sqlx_migrations)",
+    )
+    .execute(db.pool())
+    .await?;
+    let err = pooled.migrate_reference().await.expect_err("an edited migration is refused");
+    assert!(err.to_string().contains("checksum"), "{err}");
+    Ok(())
+}
