@@ -64,7 +64,9 @@ use axum::extract::FromRequestParts;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use idem_domain::{Decision, Fingerprint, IdempotencyKey, TtlPolicy, decide};
-use idem_ports::{ClaimOutcome, Clock, IdempotencyClaim, StoreError, StoredResponse, TransactionManager, UnitOfWork};
+use idem_ports::{
+    ClaimOutcome, Clock, IdempotencyClaim, PhaseHold, StoreError, StoredResponse, TransactionManager, UnitOfWork,
+};
 use tokio::sync::{Mutex, OwnedMutexGuard, watch};
 use tower::{Layer, Service};
 
@@ -108,6 +110,9 @@ pub struct IdempotencyConfig {
     /// New keys a scope may store per second ([`NewKeyQuota`](crate::quota::NewKeyQuota)); `None`: no
     /// bound (the default of the toolkit; `idem serve` sets `MERCHANT_NEW_KEYS_PER_SECOND`).
     pub new_keys: Option<Arc<crate::quota::NewKeyQuota>>,
+    /// How long an attempt holds a record between the phases of a foreign call without renewing it
+    /// (`IDEMPOTENCY_LEASE`; see [`Tx::foreign_call`]).
+    pub lease: Duration,
 }
 
 impl fmt::Debug for IdempotencyConfig {
@@ -133,6 +138,7 @@ impl IdempotencyConfig {
             max_response_body: 1024 * 1024,
             replay_fast_path: FastPath::Adaptive,
             new_keys: None,
+            lease: idem_domain::phases::DEFAULT_LEASE,
         }
     }
 }
@@ -343,7 +349,26 @@ where
 /// The unit of work handed to the handler (request extension). The layer keeps the other reference and
 /// takes the unit back after the handler returned.
 #[derive(Clone)]
-pub struct UnitOfWorkHandle(Arc<Mutex<Option<Box<dyn UnitOfWork>>>>, Arc<std::sync::atomic::AtomicBool>);
+pub struct UnitOfWorkHandle(
+    Arc<Mutex<Option<Box<dyn UnitOfWork>>>>,
+    Arc<std::sync::atomic::AtomicBool>,
+    Option<Arc<PhaseContext>>,
+);
+
+/// What a handler needs to cut its request in phases around a foreign call ([`Tx::foreign_call`]).
+struct PhaseContext {
+    tm: Arc<dyn TransactionManager>,
+    clock: Arc<dyn Clock>,
+    lease: Duration,
+    scope: String,
+    key: String,
+    /// This execution's attempt (1, or one more than the attempt it took over).
+    attempt: u32,
+    /// The recovery point a taken-over record had reached.
+    resume_at: Option<String>,
+    /// The handler committed a first phase.
+    entered: std::sync::atomic::AtomicBool,
+}
 
 impl fmt::Debug for UnitOfWorkHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -353,7 +378,29 @@ impl fmt::Debug for UnitOfWorkHandle {
 
 /// Extractor: the request's unit of work. Holding it gives the handler exclusive use of the transaction;
 /// it never commits — the layer does, after storing the response.
-pub struct Tx(OwnedMutexGuard<Option<Box<dyn UnitOfWork>>>);
+pub struct Tx(OwnedMutexGuard<Option<Box<dyn UnitOfWork>>>, Option<Arc<PhaseContext>>);
+
+/// A foreign call between the phases of a request ([`Tx::foreign_call`]): its downstream idempotency key,
+/// and the renewal of the attempt's lease while it runs (stopped when it is dropped or resumed).
+#[derive(Debug)]
+pub struct ForeignCall {
+    key: String,
+    renewal: tokio::task::JoinHandle<()>,
+}
+
+impl ForeignCall {
+    /// The call's idempotency key for the other side (`Idempotency-Key` of its API): the same on every
+    /// attempt of this request, on every instance, after any restart ([`idem_domain::phases::downstream_key`]).
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+}
+
+impl Drop for ForeignCall {
+    fn drop(&mut self) {
+        self.renewal.abort();
+    }
+}
 
 impl fmt::Debug for Tx {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -363,14 +410,120 @@ impl fmt::Debug for Tx {
 
 impl Tx {
     /// The unit of work holding the claim: write the business rows through it (or its adapter's transaction).
+    ///
+    /// # Panics
+    /// Between [`Tx::foreign_call`] and [`Tx::resume`]: no transaction is open then, by design.
     pub fn uow(&mut self) -> &mut dyn UnitOfWork {
         match self.0.as_deref_mut() {
             Some(uow) => uow,
-            // `from_request_parts` only builds a Tx around a present unit, and only the layer takes it,
-            // after the handler has returned.
-            None => unreachable!("unit of work taken while the handler held it"),
+            None => panic!("no unit of work between Tx::foreign_call and Tx::resume: resume first"),
         }
     }
+
+    /// Where this execution resumes: `None` for a first execution, the step of its last
+    /// [`Tx::foreign_call`] when it took over a request whose attempt died between the phases (its first
+    /// phase's writes — the intent — are committed; do not write them again).
+    pub fn recovery_point(&self) -> Option<&str> {
+        self.1.as_ref().and_then(|p| p.resume_at.as_deref())
+    }
+
+    /// Ends the first phase before a call to another system (a payment provider, an email, another
+    /// service): commits what the handler wrote so far (the intent, e.g. a `pending` payment) with the key's
+    /// record held by this attempt under a lease and the recovery point `step`, and releases the
+    /// connection — no transaction is open and no pooled connection is held during the call. The lease is
+    /// renewed while the call runs; a duplicate meanwhile is answered `409` in flight. If this process dies,
+    /// the lease lapses and the next retry takes the record over and runs the handler again from
+    /// [`Tx::recovery_point`], with the same [`ForeignCall::key`], so the other side deduplicates the call.
+    /// Then [`Tx::resume`] starts the second phase.
+    ///
+    /// If the call's outcome is unknown (a timeout, `5xx`, the other side's "in progress"), answer `503`
+    /// without resuming: the record stays held, and the client's retry (after the lease) calls again with
+    /// the same key. A definitive refusal is answered after resuming, with `Problem::commit` to store it.
+    pub async fn foreign_call(&mut self, step: &str) -> Result<ForeignCall, Problem> {
+        let internal = |why: &str| {
+            tracing::error!("{why}");
+            Problem::new(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR)
+        };
+        let ctx = self.1.clone().ok_or_else(|| internal("Tx::foreign_call needs a request with an Idempotency-Key"))?;
+        let mut uow = self.0.take().ok_or_else(|| internal("Tx::foreign_call twice without Tx::resume"))?;
+        let hold = |now: chrono::DateTime<chrono::Utc>| PhaseHold {
+            attempt: ctx.attempt,
+            lease_until: now + chrono::Duration::from_std(ctx.lease).unwrap_or(chrono::Duration::seconds(30)),
+            recovery_point: step.to_owned(),
+        };
+        match uow.idempotency().hold(&ctx.scope, &ctx.key, &hold(ctx.clock.now())).await {
+            Ok(true) => {}
+            Ok(false) => return Err(taken_over()),
+            Err(e) => return Err(phase_store_problem(&e)),
+        }
+        if let Err(e) = uow.commit().await {
+            tracing::warn!(error = %e, "first phase commit failed; outcome unknown");
+            return Err(Problem::new(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE)
+                .detail("the request's first phase may or may not have been recorded: retry with the same key")
+                .retry_after(1));
+        }
+        ctx.entered.store(true, std::sync::atomic::Ordering::Relaxed);
+        let (renewer, step_name) = (ctx.clone(), step.to_owned());
+        let renewal = tokio::spawn(async move {
+            let every = (renewer.lease / 3).max(Duration::from_millis(100));
+            loop {
+                tokio::time::sleep(every).await;
+                let hold = PhaseHold {
+                    attempt: renewer.attempt,
+                    lease_until: renewer.clock.now()
+                        + chrono::Duration::from_std(renewer.lease).unwrap_or(chrono::Duration::seconds(30)),
+                    recovery_point: step_name.clone(),
+                };
+                let renewed = async {
+                    let mut uow = renewer.tm.begin().await?;
+                    let held = uow.idempotency().hold(&renewer.scope, &renewer.key, &hold).await?;
+                    uow.commit().await?;
+                    Ok::<_, StoreError>(held)
+                };
+                match renewed.await {
+                    Ok(true) => {}
+                    Ok(false) => return, // taken over: this attempt's resume will be fenced out
+                    Err(e) => tracing::warn!(error = %e, "lease renewal failed; retrying"),
+                }
+            }
+        });
+        Ok(ForeignCall { key: idem_domain::phases::downstream_key(&ctx.scope, &ctx.key, step), renewal })
+    }
+
+    /// Starts the second phase after a [`Tx::foreign_call`]: a new unit of work that holds the key's record
+    /// only if this attempt still owns it (the fencing check: a late original whose record was taken over
+    /// gets `503 outcome-unknown`, and its retry replays what the other attempt stored). Record the call's
+    /// result, the business effect and the outbox row through [`Tx::uow`]; the layer stores the answer and
+    /// commits them together.
+    pub async fn resume(&mut self, call: ForeignCall) -> Result<(), Problem> {
+        drop(call);
+        let Some(ctx) = self.1.clone() else {
+            return Err(Problem::new(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR));
+        };
+        let mut uow = ctx.tm.begin().await.map_err(|e| phase_store_problem(&e))?;
+        match uow.idempotency().owns(&ctx.scope, &ctx.key, ctx.attempt).await {
+            Ok(true) => {
+                *self.0 = Some(uow);
+                Ok(())
+            }
+            Ok(false) => Err(taken_over()),
+            Err(e) => Err(phase_store_problem(&e)),
+        }
+    }
+}
+
+/// The answer of an attempt whose record another attempt took over (it lost its lease).
+fn taken_over() -> Problem {
+    Problem::new(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE)
+        .detail("another attempt took this request over; retry with the same Idempotency-Key to get its answer")
+        .retry_after(1)
+}
+
+fn phase_store_problem(e: &StoreError) -> Problem {
+    tracing::warn!(error = %e, "idempotency store failed between phases");
+    Problem::new(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE)
+        .detail("the request may be part-way: retry with the same Idempotency-Key")
+        .retry_after(1)
 }
 
 impl<St: Send + Sync> FromRequestParts<St> for Tx {
@@ -392,7 +545,7 @@ impl<St: Send + Sync> FromRequestParts<St> for Tx {
             return Err(missing());
         }
         handle.1.store(true, std::sync::atomic::Ordering::Relaxed);
-        Ok(Tx(guard))
+        Ok(Tx(guard, handle.2.clone()))
     }
 }
 
@@ -598,9 +751,22 @@ where
                     .retry_after(u32::try_from(wait.as_secs().max(1)).unwrap_or(u32::MAX));
                 return tagged(problem.into_response(), "rate_limited");
             }
-            execute(&shared, inner, parts, body, uow, Some(claim)).await
+            execute(&shared, inner, parts, body, uow, Some((claim, 1, None))).await
         }
         Ok(ClaimOutcome::Existing(record)) => match decide(Some(&record), &fingerprint, now) {
+            Decision::Resume { attempt, recovery_point } => {
+                let lease_until =
+                    now + chrono::Duration::from_std(config.lease).unwrap_or(chrono::Duration::seconds(30));
+                match uow.idempotency().take_over(&claim.scope, &claim.key, attempt, lease_until, now).await {
+                    Ok(true) => {
+                        tracing::info!(key = %claim.key, attempt = attempt + 1, resume_at = recovery_point, "taking over a request whose attempt lost its lease");
+                        let resume_at = Some(recovery_point.to_owned());
+                        execute(&shared, inner, parts, body, uow, Some((claim, attempt + 1, resume_at))).await
+                    }
+                    Ok(false) => in_flight(),
+                    Err(e) => store_failure(&e),
+                }
+            }
             Decision::Replay(stored) => {
                 tracing::debug!(key = %claim.key, "idempotent replay");
                 shared.replays.record(true);
@@ -625,13 +791,26 @@ async fn execute<S>(
     parts: Parts,
     body: Bytes,
     uow: Box<dyn UnitOfWork>,
-    claim: Option<IdempotencyClaim>,
+    claim: Option<(IdempotencyClaim, u32, Option<String>)>,
 ) -> Response
 where
     S: Service<Request<Body>, Response = Response, Error = Infallible> + Send,
     S::Future: Send,
 {
-    let handle = UnitOfWorkHandle(Arc::new(Mutex::new(Some(uow))), Arc::default());
+    let phase = claim.as_ref().map(|(c, attempt, resume_at)| {
+        Arc::new(PhaseContext {
+            tm: shared.tm.clone(),
+            clock: shared.clock.clone(),
+            lease: shared.config.lease,
+            scope: c.scope.clone(),
+            key: c.key.clone(),
+            attempt: *attempt,
+            resume_at: resume_at.clone(),
+            entered: std::sync::atomic::AtomicBool::new(false),
+        })
+    });
+    let claim = claim.map(|(c, ..)| c);
+    let handle = UnitOfWorkHandle(Arc::new(Mutex::new(Some(uow))), Arc::default(), phase.clone());
     let route = parts.extensions.get::<axum::extract::MatchedPath>().map(|p| p.as_str().to_owned());
     let mut req = Request::from_parts(parts, Body::from(body));
     req.extensions_mut().insert(handle.clone());
@@ -640,6 +819,13 @@ where
         Err(never) => match never {},
     };
     let Some(mut uow) = handle.0.lock().await.take() else {
+        if phase.is_some_and(|p| p.entered.load(std::sync::atomic::Ordering::Relaxed))
+            && !response.status().is_success()
+        {
+            // between the phases: the first is committed and the record held; the handler's answer (an
+            // outcome unknown) goes out as it is, and the retry resumes with the same downstream key
+            return tagged(response, "phase_pending");
+        }
         return layer_problem(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR).into_response();
     };
     let status = response.status();

@@ -26,7 +26,7 @@ use axum::routing::{get, post};
 pub use api::ApiState;
 pub use auth::{ApiKeys, Merchant};
 pub use idempotency::{
-    FastPath, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyConfig, IdempotencyLayer, ScopeFn, Tx,
+    FastPath, ForeignCall, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyConfig, IdempotencyLayer, ScopeFn, Tx,
 };
 pub use metrics::HttpMetrics;
 pub use problem::{CommitRefusal, PROBLEM_JSON, Problem, ProblemJson, ProblemKind};

@@ -212,7 +212,8 @@ async fn delete_batch(
         ExpiringTable::IdempotencyRecord => {
             sqlx::query!(
                 "DELETE FROM idempotency_record WHERE (scope, key) IN (
-                 SELECT scope, key FROM idempotency_record WHERE expires_at <= $1
+                 SELECT scope, key FROM idempotency_record
+                 WHERE expires_at <= $1 AND (state = 'completed' OR lease_until IS NULL)
                  ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)",
                 now,
                 limit,

@@ -400,6 +400,15 @@ pub enum Decision<'a> {
     Conflict,
     /// The same request is still executing: do not run it again; wait or ask the client to retry later.
     InFlight,
+    /// The same request was held between the phases of a foreign call by `attempt`, whose lease lapsed (its
+    /// process died or stalled): take the record over with the next attempt and resume at `recovery_point`
+    /// (`crate::phases::claim`).
+    Resume {
+        /// The attempt that held it.
+        attempt: u32,
+        /// Where to resume.
+        recovery_point: &'a str,
+    },
 }
 
 /// Decides what to do with a request whose fingerprint is `fingerprint`, given the record stored for its
@@ -413,14 +422,24 @@ pub fn decide<'a>(
     let Some(record) = existing else {
         return Decision::Execute;
     };
-    if record.expires_at <= now {
+    // a record held between phases is never treated as expired: its retention counts from completion
+    let held = record.state == IdempotencyState::InFlight && record.phase.is_some();
+    if record.expires_at <= now && !held {
         return Decision::Execute;
     }
     if record.command_hash != fingerprint.0 {
         return Decision::Conflict;
     }
-    match (record.state, &record.response) {
-        (IdempotencyState::Completed, Some(response)) => Decision::Replay(response),
+    match (record.state, &record.response, &record.phase) {
+        (IdempotencyState::Completed, Some(response), _) => Decision::Replay(response),
+        (IdempotencyState::InFlight, _, Some(hold)) => {
+            let lease = crate::phases::Lease { attempt: hold.attempt, until: hold.lease_until };
+            if lease.holds(now) {
+                Decision::InFlight
+            } else {
+                Decision::Resume { attempt: hold.attempt, recovery_point: &hold.recovery_point }
+            }
+        }
         _ => Decision::InFlight,
     }
 }
@@ -506,6 +525,7 @@ mod tests {
             }),
             created_at: now,
             expires_at: now + chrono::Duration::seconds(expires_in_secs),
+            phase: None,
         }
     }
 

@@ -39,6 +39,21 @@ impl PgTx {
     pub fn connection(&mut self) -> &mut sqlx::PgConnection {
         self.pg().connection()
     }
+
+    /// Ends the first phase before a call to another system ([`Tx::foreign_call`]).
+    pub async fn foreign_call(&mut self, step: &str) -> Result<idem_http::ForeignCall, Problem> {
+        self.0.foreign_call(step).await
+    }
+
+    /// Starts the second phase after the call, if this attempt still owns the request ([`Tx::resume`]).
+    pub async fn resume(&mut self, call: idem_http::ForeignCall) -> Result<(), Problem> {
+        self.0.resume(call).await
+    }
+
+    /// Where a taken-over execution resumes ([`Tx::recovery_point`]).
+    pub fn recovery_point(&self) -> Option<&str> {
+        self.0.recovery_point()
+    }
 }
 
 impl<S: Send + Sync> FromRequestParts<S> for PgTx {

@@ -247,6 +247,8 @@ impl ClaimProtocol {
                 Self::answer(state, c, client.scope, effect, true);
             }
             Decision::InFlight => self.retry_or_stop(state, c), // 409 request-in-flight
+            // records here are claimed in one transaction, never held between phases (`phases.rs` models those)
+            Decision::Resume { .. } => self.retry_or_stop(state, c),
         }
     }
 
@@ -298,6 +300,7 @@ fn as_stored(r: Record) -> IdempotencyRecord {
         response,
         created_at: now() - hour * 2,
         expires_at: if r.expired { now() - hour } else { now() + hour },
+        phase: None,
     }
 }
 

@@ -19,8 +19,8 @@ pub use error::{PublishError, StoreError};
 pub use inbound::{BatchError, EventHandler, HandlerError};
 pub use records::{
     ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyState, InboundEvent, NewOutboxMessage, NewPayment,
-    NewRefund, OrderVersion, OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus, ProcessedEvent, RefundRecord,
-    SagaStepClaim, StoredResponse,
+    NewRefund, OrderVersion, OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent,
+    RefundRecord, SagaStepClaim, StoredResponse,
 };
 pub use repositories::{
     ConsumerIdentity, IdempotencyRepository, OutboxRepository, OutboxWakeup, PaymentRepository, PaymentUnitOfWork,

@@ -170,8 +170,23 @@ pub struct IdempotencyRecord {
     pub response: Option<StoredResponse>,
     /// When the key was claimed.
     pub created_at: DateTime<Utc>,
-    /// After this the record counts as absent and the cleaner deletes it.
+    /// After this the record counts as absent and the cleaner deletes it (not while it is held between
+    /// the phases of a foreign call: its retention counts from completion).
     pub expires_at: DateTime<Utc>,
+    /// Between the phases of a foreign call: the attempt holding it, until when, and where a resumed attempt
+    /// starts (`None` for a record claimed in one transaction).
+    pub phase: Option<PhaseHold>,
+}
+
+/// A record committed between the phases of a foreign call (see `idem_domain::phases`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PhaseHold {
+    /// The attempt holding it (1 for the first, one more per takeover): the fencing token.
+    pub attempt: u32,
+    /// When its lease lapses unless renewed.
+    pub lease_until: DateTime<Utc>,
+    /// The last recovery point reached.
+    pub recovery_point: String,
 }
 
 /// A claim on an idempotency key: the row written, in flight, inside the caller's transaction.
@@ -191,6 +206,7 @@ pub struct IdempotencyClaim {
 
 /// Outcome of [`crate::IdempotencyRepository::claim`].
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[allow(clippy::large_enum_variant)] // one per claim, moved once: not worth an allocation per replay
 pub enum ClaimOutcome {
     /// The key was free (or its record had expired): the claim row now belongs to this transaction, and
     /// concurrent claims of the same key wait for it to commit or roll back.

@@ -7,7 +7,8 @@ use uuid::Uuid;
 use crate::error::StoreError;
 use crate::records::{
     ClaimOutcome, IdempotencyClaim, IdempotencyRecord, NewOutboxMessage, NewPayment, NewRefund, OutboxRecord,
-    PaymentInsert, PaymentRecord, PaymentStatus, ProcessedEvent, RefundRecord, SagaStepClaim, StoredResponse,
+    PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent, RefundRecord, SagaStepClaim,
+    StoredResponse,
 };
 
 /// Begins units of work. One implementation per store; it is a cheap handle, shared by value.
@@ -191,6 +192,35 @@ pub trait IdempotencyRepository: Send {
 
     /// The record for (scope, key), expired or not.
     async fn get(&mut self, scope: &str, key: &str) -> Result<Option<IdempotencyRecord>, StoreError>;
+
+    /// Holds the record claimed (or taken over) in this unit between the phases of a foreign call: the
+    /// lease of `hold.attempt` and its recovery point, written only while that attempt owns the record
+    /// (false otherwise: another attempt took it over). Committing the unit commits the first phase.
+    async fn hold(&mut self, scope: &str, key: &str, hold: &PhaseHold) -> Result<bool, StoreError> {
+        let _ = (scope, key, hold);
+        Err(StoreError::Other("this store does not hold records between phases".into()))
+    }
+
+    /// Takes over a record held by `attempt` whose lease lapsed at `now`: the next attempt holds it with
+    /// `lease_until`. False when it was renewed, completed or taken over meanwhile.
+    async fn take_over(
+        &mut self,
+        scope: &str,
+        key: &str,
+        attempt: u32,
+        lease_until: DateTime<Utc>,
+        now: DateTime<Utc>,
+    ) -> Result<bool, StoreError> {
+        let _ = (scope, key, attempt, lease_until, now);
+        Err(StoreError::Other("this store does not hold records between phases".into()))
+    }
+
+    /// Locks the record for the second phase if `attempt` still holds it (the fencing check); false for a
+    /// late original whose record was taken over.
+    async fn owns(&mut self, scope: &str, key: &str, attempt: u32) -> Result<bool, StoreError> {
+        let _ = (scope, key, attempt);
+        Err(StoreError::Other("this store does not hold records between phases".into()))
+    }
 }
 
 /// Events already processed, per consumer.

@@ -5,7 +5,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use idem_ports::{
-    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyRepository, IdempotencyState, StoreError,
+    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyRepository, IdempotencyState, PhaseHold, StoreError,
     StoredResponse,
 };
 
@@ -35,7 +35,7 @@ impl IdempotencyRepository for PgUnitOfWork {
                    SET command_hash = EXCLUDED.command_hash, state = 'in_flight', status_code = NULL,
                        response_headers = NULL, response_body = NULL,
                        created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
-                   WHERE r.expires_at <= $6
+                   WHERE r.expires_at <= $6 AND (r.state = 'completed' OR r.lease_until IS NULL)
                RETURNING set_config('lock_timeout', NULL, true) IS NOT NULL AS "reset!""#,
             c.scope,
             c.key,
@@ -82,6 +82,64 @@ impl IdempotencyRepository for PgUnitOfWork {
         let row = read(self.db(), scope, key).await.map_err(|e| self.failed(e))?;
         row.map(RecordRow::into_record).transpose()
     }
+
+    async fn hold(&mut self, scope: &str, key: &str, hold: &PhaseHold) -> Result<bool, StoreError> {
+        let attempt = i32::try_from(hold.attempt).map_err(|_| StoreError::Other("attempt out of range".into()))?;
+        // the first hold of a claim (attempt 0 in the row) or a renewal by the attempt that holds it
+        let held = sqlx::query!(
+            r#"UPDATE idempotency_record SET attempt = $3, lease_until = $4, recovery_point = $5
+               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt IN ($3, $3 - 1)
+                 AND (attempt = $3 OR lease_until IS NULL)"#,
+            scope,
+            key,
+            attempt,
+            hold.lease_until,
+            hold.recovery_point,
+        )
+        .execute(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        Ok(held.rows_affected() == 1)
+    }
+
+    async fn take_over(
+        &mut self,
+        scope: &str,
+        key: &str,
+        attempt: u32,
+        lease_until: DateTime<Utc>,
+        now: DateTime<Utc>,
+    ) -> Result<bool, StoreError> {
+        let attempt = i32::try_from(attempt).map_err(|_| StoreError::Other("attempt out of range".into()))?;
+        let taken = sqlx::query!(
+            r#"UPDATE idempotency_record SET attempt = attempt + 1, lease_until = $4
+               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt = $3 AND lease_until <= $5"#,
+            scope,
+            key,
+            attempt,
+            lease_until,
+            now,
+        )
+        .execute(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        Ok(taken.rows_affected() == 1)
+    }
+
+    async fn owns(&mut self, scope: &str, key: &str, attempt: u32) -> Result<bool, StoreError> {
+        let attempt = i32::try_from(attempt).map_err(|_| StoreError::Other("attempt out of range".into()))?;
+        let owned = sqlx::query_scalar!(
+            r#"SELECT true AS "owned!" FROM idempotency_record
+               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt = $3 FOR UPDATE"#,
+            scope,
+            key,
+            attempt,
+        )
+        .fetch_optional(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        Ok(owned.is_some())
+    }
 }
 
 /// A row of `idempotency_record`.
@@ -95,6 +153,9 @@ pub(crate) struct RecordRow {
     response_body: Option<Vec<u8>>,
     created_at: DateTime<Utc>,
     expires_at: DateTime<Utc>,
+    attempt: i32,
+    lease_until: Option<DateTime<Utc>>,
+    recovery_point: Option<String>,
 }
 
 /// Reads the record of `(scope, key)`, expired or not, on `conn` (in a transaction or not).
@@ -106,7 +167,7 @@ pub(crate) async fn read(
     sqlx::query_as!(
         RecordRow,
         r#"SELECT scope, key, command_hash, state, status_code, response_headers, response_body,
-                      created_at, expires_at
+                      created_at, expires_at, attempt, lease_until, recovery_point
                FROM idempotency_record WHERE scope = $1 AND key = $2"#,
         scope,
         key,
@@ -144,6 +205,14 @@ impl RecordRow {
             response,
             created_at: self.created_at,
             expires_at: self.expires_at,
+            phase: match (self.lease_until, self.recovery_point) {
+                (Some(lease_until), Some(recovery_point)) if state == IdempotencyState::InFlight => Some(PhaseHold {
+                    attempt: u32::try_from(self.attempt).unwrap_or_default(),
+                    lease_until,
+                    recovery_point,
+                }),
+                _ => None,
+            },
         })
     }
 }

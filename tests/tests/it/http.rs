@@ -1330,3 +1330,170 @@ async fn a_silent_connection_is_closed_after_the_first_byte_bound() -> anyhow::R
     stop.cancel();
     Ok(())
 }
+
+/// A stand-in payment provider: `POST /v1/charges` answers a repeated `Idempotency-Key` with its first
+/// answer (as Stripe does), after `delay`; it counts its charges (new keys) and every call.
+#[derive(Default)]
+struct StandInProvider {
+    charges: std::sync::atomic::AtomicUsize,
+    calls: std::sync::atomic::AtomicUsize,
+    answers: std::sync::Mutex<std::collections::HashMap<String, String>>,
+    delay_ms: std::sync::atomic::AtomicU64,
+}
+
+async fn stand_in_provider(provider: Arc<StandInProvider>) -> anyhow::Result<String> {
+    use std::sync::atomic::Ordering::SeqCst;
+    let charge = |axum::extract::State(p): axum::extract::State<Arc<StandInProvider>>,
+                  headers: axum::http::HeaderMap| async move {
+        p.calls.fetch_add(1, SeqCst);
+        tokio::time::sleep(Duration::from_millis(p.delay_ms.load(SeqCst))).await;
+        let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+        let mut answers = p.answers.lock().map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        let n = answers.len();
+        let id = answers.entry(key).or_insert_with(|| {
+            p.charges.fetch_add(1, SeqCst);
+            format!("ch_{}", n + 1)
+        });
+        Ok::<_, StatusCode>(id.clone())
+    };
+    let router = axum::Router::new().route("/v1/charges", axum::routing::post(charge)).with_state(provider);
+    idem_tests::serve(router).await
+}
+
+/// The handler of a charge through the provider, in phases: the intent (first phase), the call with the
+/// downstream key and no transaction open, the result (second phase). `lose` makes the next execution lose
+/// the provider's answer after it charged (a crash or a timeout between the call and the second phase).
+use idem_http::{Problem, ProblemKind};
+
+async fn charge_in_phases(
+    axum::extract::State((provider, lose)): axum::extract::State<(String, Arc<std::sync::atomic::AtomicBool>)>,
+    mut tx: Tx,
+) -> Result<(StatusCode, String), Problem> {
+    let store = |e: sqlx::Error| {
+        Problem::new(ProblemKind::StoreUnavailable, StatusCode::SERVICE_UNAVAILABLE).detail(e.to_string())
+    };
+    if tx.recovery_point().is_none() {
+        let pg = idem_postgres::PgUnitOfWork::of(tx.uow()).map_err(|e| {
+            Problem::new(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR).detail(e.to_string())
+        })?;
+        sqlx::query("INSERT INTO test_intent DEFAULT VALUES").execute(pg.connection()).await.map_err(store)?;
+    }
+    let call = tx.foreign_call("charge").await?;
+    let answer = reqwest::Client::new()
+        .post(format!("{provider}/v1/charges"))
+        .header("idempotency-key", call.key())
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status);
+    let charge = match answer {
+        Ok(reply) => reply.text().await.unwrap_or_default(),
+        Err(_) => return Err(Problem::new(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE)),
+    };
+    if lose.swap(false, std::sync::atomic::Ordering::SeqCst) {
+        return Err(Problem::new(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE));
+    }
+    tx.resume(call).await?;
+    let pg = idem_postgres::PgUnitOfWork::of(tx.uow())
+        .map_err(|e| Problem::new(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR).detail(e.to_string()))?;
+    sqlx::query("INSERT INTO test_charge (charge) VALUES ($1)")
+        .bind(&charge)
+        .execute(pg.connection())
+        .await
+        .map_err(store)?;
+    Ok((StatusCode::CREATED, charge))
+}
+
+/// Issue 33 (toolkit): a charge through a provider in phases. The provider charged but the answer was lost
+/// before the second phase; a retry while the lease holds is told the request is in flight; after the lease
+/// lapsed the retry takes the record over, resumes at the call (the intent is not written again) with the
+/// same downstream key, and the provider answers its first charge: one charge at the provider, one intent,
+/// one result, and replays equal the answer. With one pooled connection and a provider answering in 500 ms,
+/// eight charges run their calls side by side: no connection is held across a call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_charge_in_phases_survives_a_lost_answer_with_one_provider_charge() -> anyhow::Result<()> {
+    use std::sync::atomic::Ordering::SeqCst;
+    let db = TestDb::new().await?;
+    sqlx::raw_sql(
+        "CREATE TABLE test_intent (n bigint GENERATED ALWAYS AS IDENTITY); \
+         CREATE TABLE test_charge (charge text NOT NULL)",
+    )
+    .execute(db.pool())
+    .await?;
+    let provider = Arc::new(StandInProvider::default());
+    let provider_url = stand_in_provider(provider.clone()).await?;
+    let settings = idem_postgres::PoolSettings { max_connections: 1, ..Default::default() };
+    let tm: Arc<dyn TransactionManager> = Arc::new(PgStore::connect(&db.url, &settings).await?);
+    let mut config = layer_config(StatusCode::CONFLICT);
+    config.lease = Duration::from_millis(1000);
+    let lose = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let router = as_merchant_a(
+        axum::Router::new()
+            .route("/pay", axum::routing::post(charge_in_phases))
+            .route_layer(IdempotencyLayer::new(tm, Arc::new(SystemClock), config))
+            .with_state((provider_url, lose.clone())),
+    );
+    let base = idem_tests::serve(router).await?;
+    let http = reqwest::Client::new();
+    let pay = |key: String| http.post(format!("{base}/pay")).header("idempotency-key", key).body("{}").send();
+
+    let lost = pay("phased-1".into()).await?;
+    assert_eq!(lost.status(), 503, "the lost answer is an unknown outcome");
+    assert_eq!(provider.charges.load(SeqCst), 1, "the provider charged");
+    let early = pay("phased-1".into()).await?;
+    assert_eq!(early.status(), 409, "a retry while the lease holds is in flight");
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let resumed = pay("phased-1".into()).await?;
+    assert_eq!(resumed.status(), 201);
+    let charge = resumed.text().await?;
+    assert_eq!(charge, "ch_1", "the takeover got the provider's first answer");
+    let replay = pay("phased-1".into()).await?;
+    assert_eq!(replay.headers().get("idempotent-replayed").and_then(|v| v.to_str().ok()), Some("true"));
+    assert_eq!(replay.text().await?, charge);
+    assert_eq!((provider.charges.load(SeqCst), provider.calls.load(SeqCst)), (1, 2), "(charges, calls)");
+    assert_eq!(db.count("test_intent").await?, 1, "the intent was written once");
+    assert_eq!(db.count("test_charge").await?, 1, "the result was recorded once");
+
+    // no connection across the call: 8 charges, one pooled connection, 500 ms a call
+    provider.delay_ms.store(500, SeqCst);
+    lose.store(false, SeqCst);
+    let started = std::time::Instant::now();
+    let replies = futures::future::join_all((0..8).map(|i| pay(format!("parallel-{i}")))).await;
+    let took = started.elapsed();
+    for reply in replies {
+        assert_eq!(reply?.status(), 201);
+    }
+    assert!(took < Duration::from_millis(2500), "8 calls of 500 ms took {took:?}: a connection was held across them");
+    assert_eq!(provider.charges.load(SeqCst), 9);
+    Ok(())
+}
+
+/// Issue 33 (toolkit): the store's fencing. A record held by attempt 1 whose lease lapsed is taken over by
+/// attempt 2; attempt 1 can then neither renew nor enter its second phase, attempt 2 can.
+#[tokio::test]
+async fn a_late_original_is_fenced_out_after_a_takeover() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let now = chrono::Utc::now();
+    let claim = idem_ports::IdempotencyClaim {
+        scope: "m".into(),
+        key: "fenced".into(),
+        command_hash: [7; 32],
+        created_at: now,
+        expires_at: now + chrono::Duration::hours(48),
+    };
+    let hold = |attempt, lease_until| idem_ports::PhaseHold { attempt, lease_until, recovery_point: "charge".into() };
+    let mut uow = db.store.begin().await?;
+    assert_eq!(uow.idempotency().claim(&claim, now, Duration::from_secs(1)).await?, idem_ports::ClaimOutcome::Claimed);
+    assert!(uow.idempotency().hold("m", "fenced", &hold(1, now - chrono::Duration::seconds(1))).await?);
+    uow.commit().await?;
+    let mut uow = db.store.begin().await?;
+    assert!(uow.idempotency().take_over("m", "fenced", 1, now + chrono::Duration::seconds(30), now).await?);
+    assert!(!uow.idempotency().take_over("m", "fenced", 1, now + chrono::Duration::seconds(30), now).await?, "twice");
+    uow.commit().await?;
+    let mut uow = db.store.begin().await?;
+    assert!(!uow.idempotency().owns("m", "fenced", 1).await?, "the late original entered its second phase");
+    assert!(!uow.idempotency().hold("m", "fenced", &hold(1, now + chrono::Duration::seconds(30))).await?);
+    assert!(uow.idempotency().owns("m", "fenced", 2).await?);
+    let record = uow.idempotency().get("m", "fenced").await?.expect("the record");
+    assert_eq!(record.phase.map(|p| p.attempt), Some(2));
+    Ok(())
+}
