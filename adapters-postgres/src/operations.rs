@@ -20,6 +20,12 @@ pub struct Health {
     /// Age of the oldest open transaction that wrote idempotency records: a key in flight that long
     /// (0 when none).
     pub oldest_in_flight_claim_seconds: f64,
+    /// Records held between the phases of a foreign call.
+    pub held_records: i64,
+    /// Of them, those whose lease lapsed: their attempt died, waiting for a retry to take them over.
+    pub lapsed_records: i64,
+    /// Age of the oldest held record (0 when none).
+    pub oldest_held_seconds: f64,
 }
 
 /// An outbox row as an operator sees it (no payload).
@@ -154,7 +160,13 @@ impl PgStore {
                  (SELECT coalesce(extract(epoch FROM now() - min(a.xact_start)), 0)::float8
                     FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
                    WHERE l.relation = 'idempotency_record'::regclass AND l.mode = 'RowExclusiveLock'
-                     AND a.pid <> pg_backend_pid()) AS "in_flight!""#
+                     AND a.pid <> pg_backend_pid()) AS "in_flight!",
+                 (SELECT count(*) FROM idempotency_record
+                   WHERE state = 'in_flight' AND lease_until IS NOT NULL) AS "held!",
+                 (SELECT count(*) FROM idempotency_record
+                   WHERE state = 'in_flight' AND lease_until IS NOT NULL AND lease_until <= now()) AS "lapsed!",
+                 (SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM idempotency_record
+                   WHERE state = 'in_flight' AND lease_until IS NOT NULL) AS "oldest_held!""#
         )
         .fetch_one(&mut *self.small_tx().await.map_err(map_sqlx_error)?)
         .await
@@ -164,6 +176,9 @@ impl PgStore {
             oldest_unpublished_seconds: row.oldest,
             quarantined_rows: row.quarantined,
             oldest_in_flight_claim_seconds: row.in_flight,
+            held_records: row.held,
+            lapsed_records: row.lapsed,
+            oldest_held_seconds: row.oldest_held,
         })
     }
 

@@ -47,6 +47,9 @@ pub struct Gauges {
     pub oldest_in_flight_claim: Gauge<f64, AtomicU64>,
     pub broker_up: Gauge,
     pub database_up: Gauge,
+    pub held_records: Gauge,
+    pub lapsed_records: Gauge,
+    pub oldest_held: Gauge<f64, AtomicU64>,
 }
 
 impl Gauges {
@@ -66,6 +69,21 @@ impl Gauges {
             "idem_idempotency_oldest_in_flight_seconds",
             "Age of the oldest open transaction holding idempotency claims: a key in flight that long",
             self.oldest_in_flight_claim.clone(),
+        );
+        registry.register(
+            "idem_idempotency_held_records",
+            "Records held between the phases of a foreign call (a call to another system in progress)",
+            self.held_records.clone(),
+        );
+        registry.register(
+            "idem_idempotency_lapsed_records",
+            "Held records whose lease lapsed: their attempt died; a retry with the key takes them over",
+            self.lapsed_records.clone(),
+        );
+        registry.register(
+            "idem_idempotency_oldest_held_seconds",
+            "Age of the oldest record held between phases (0 when none)",
+            self.oldest_held.clone(),
         );
         registry.register("idem_broker_up", "1 when the Kafka broker answered the last probe", self.broker_up.clone());
         registry.register("idem_database_up", "1 when the database answered the last probe", self.database_up.clone());
@@ -128,6 +146,9 @@ impl Ops {
                 g.outbox_oldest_unpublished.set(health.oldest_unpublished_seconds);
                 g.outbox_quarantined_rows.set(health.quarantined_rows);
                 g.oldest_in_flight_claim.set(health.oldest_in_flight_claim_seconds);
+                g.held_records.set(health.held_records);
+                g.lapsed_records.set(health.lapsed_records);
+                g.oldest_held.set(health.oldest_held_seconds);
                 refresh_dead_tuples(&self.store, &self.cleanup).await
             };
             let ok = matches!(tokio::time::timeout(Duration::from_secs(5), database).await, Ok(Ok(())));

@@ -1441,7 +1441,9 @@ async fn a_charge_in_phases_survives_a_lost_answer_with_one_provider_charge() ->
     assert_eq!(provider.charges.load(SeqCst), 1, "the provider charged");
     let early = pay("phased-1".into()).await?;
     assert_eq!(early.status(), 409, "a retry while the lease holds is in flight");
+    assert_eq!(db.store.health().await?.held_records, 1, "the gauge shows the held request");
     tokio::time::sleep(Duration::from_millis(1300)).await;
+    assert_eq!(db.store.health().await?.lapsed_records, 1, "its lease lapsed");
     let resumed = pay("phased-1".into()).await?;
     assert_eq!(resumed.status(), 201);
     let charge = resumed.text().await?;
@@ -1452,6 +1454,7 @@ async fn a_charge_in_phases_survives_a_lost_answer_with_one_provider_charge() ->
     assert_eq!((provider.charges.load(SeqCst), provider.calls.load(SeqCst)), (1, 2), "(charges, calls)");
     assert_eq!(db.count("test_intent").await?, 1, "the intent was written once");
     assert_eq!(db.count("test_charge").await?, 1, "the result was recorded once");
+    assert_eq!(db.store.health().await?.held_records, 0, "completed: no longer held");
 
     // no connection across the call: 8 charges, one pooled connection, 500 ms a call
     provider.delay_ms.store(500, SeqCst);
