@@ -77,6 +77,12 @@ pub struct KeyRecord {
     pub expires_at: DateTime<Utc>,
     /// The stored body, once completed.
     pub response_body: Option<Vec<u8>>,
+    /// Between the phases of a foreign call: the attempt holding it (0 for a claim in one transaction).
+    pub attempt: i32,
+    /// Until when that attempt's lease holds.
+    pub lease_until: Option<DateTime<Utc>>,
+    /// Where a taken-over attempt resumes.
+    pub recovery_point: Option<String>,
 }
 
 /// One re-driven dead letter.
@@ -243,7 +249,8 @@ impl PgStore {
     pub async fn key_record(&self, scope: &str, key: &str) -> Result<Option<KeyRecord>, StoreError> {
         sqlx::query_as!(
             KeyRecord,
-            r#"SELECT scope, key, state, command_hash AS fingerprint, status_code, created_at, expires_at, response_body
+            r#"SELECT scope, key, state, command_hash AS fingerprint, status_code, created_at, expires_at, response_body,
+                      attempt, lease_until, recovery_point
                FROM idempotency_record WHERE scope = $1 AND key = $2"#,
             scope,
             key,

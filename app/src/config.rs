@@ -411,6 +411,10 @@ pub struct ServeArgs {
     /// How long a duplicate request waits for the first one with its key to finish.
     #[arg(long, env = "IDEMPOTENCY_WAIT", default_value = "2s", value_parser = parse_duration)]
     pub idempotency_wait: Duration,
+    /// How long an attempt holds a request between the phases of a call to another system without renewing
+    /// its lease (renewed every third of it while the call runs); after it lapses a retry takes over.
+    #[arg(long, env = "IDEMPOTENCY_LEASE", default_value = "30s", value_parser = parse_duration)]
+    pub idempotency_lease: Duration,
     /// Status answered when a key is reused with a different request.
     #[arg(long, env = "IDEMPOTENCY_CONFLICT_STATUS", value_enum, default_value = "409")]
     pub conflict_status: ConflictStatus,
@@ -475,6 +479,9 @@ impl ServeArgs {
         }
         if self.idempotency_wait > Duration::from_secs(30) || self.idempotency_wait.is_zero() {
             return Err("IDEMPOTENCY_WAIT must be between 1ms and 30s".into());
+        }
+        if !(Duration::from_secs(1)..=Duration::from_secs(3600)).contains(&self.idempotency_lease) {
+            return Err("IDEMPOTENCY_LEASE must be between 1s and 1h (longer than any foreign call's bound)".into());
         }
         if self.http_header_read_timeout.is_zero()
             || self.http_body_read_timeout.is_zero()

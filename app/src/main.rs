@@ -393,6 +393,8 @@ mod tests {
         refused(&["--idempotency-ttl", "73h"], "between 24h and 72h");
         refused(&["--dedup-ttl", "1h"], "between 24h and 72h");
         refused(&["--dedup-ttl", "soon"], "write durations like 48h");
+        refused(&["--idempotency-lease", "500ms"], "IDEMPOTENCY_LEASE must be between 1s and 1h");
+        refused(&["--cleanup-pause", "5s"], "CLEANUP_PAUSE must be at most 1s");
         refused(&["--api-keys", ""], "IDEM_API_KEYS is empty");
         refused(&["--api-keys", "nocolon"], "merchant:key");
         refused(&["--api-keys", "m:short"], "16 to 256 printable");

@@ -30,6 +30,8 @@ fn key_json(r: &KeyRecord, now: DateTime<Utc>, body: bool) -> serde_json::Value 
         "merchant": r.scope, "key": r.key, "state": r.state, "fingerprint_sha256": hex(&r.fingerprint),
         "status_code": r.status_code, "created_at": r.created_at, "expires_at": r.expires_at,
         "expired": r.expires_at <= now,
+        // held between the phases of a foreign call: by which attempt, until when, resuming where
+        "attempt": r.attempt, "lease_until": r.lease_until, "recovery_point": r.recovery_point,
     });
     if body {
         v["body"] = json!(r.response_body.as_ref().map(|b| String::from_utf8_lossy(b).into_owned()));
@@ -60,8 +62,11 @@ pub async fn keys(command: KeysCommand) -> anyhow::Result<()> {
     }
     let mut rows: Vec<Vec<String>> =
         ["merchant", "key", "state", "fingerprint_sha256", "status_code", "created_at", "expires_at", "expired"]
-            .iter()
-            .map(|f| vec![(*f).to_owned(), v[*f].as_str().map(str::to_owned).unwrap_or_else(|| v[*f].to_string())])
+            .into_iter()
+            .chain(
+                r.lease_until.is_some().then_some(["attempt", "lease_until", "recovery_point"]).into_iter().flatten(),
+            )
+            .map(|f| vec![f.to_owned(), v[f].as_str().map(str::to_owned).unwrap_or_else(|| v[f].to_string())])
             .collect();
     if args.body {
         rows.push(vec!["body".into(), v["body"].as_str().unwrap_or("-").to_owned()]);
