@@ -12,6 +12,7 @@ pub mod idempotency;
 pub mod metrics;
 pub mod openapi;
 pub mod problem;
+pub mod provider;
 pub mod quota;
 pub mod server;
 

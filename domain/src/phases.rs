@@ -143,12 +143,13 @@ pub enum CallOutcome {
 }
 
 /// The outcome an HTTP answer of the other side means (`None`: no answer — a timeout, a reset, a refused
-/// connection). `2xx` succeeded; `409` (its own "in progress"), `429` and `5xx` are unknown; any other
-/// `4xx` is a refusal.
+/// connection). `2xx` succeeded; `409` (its own "in progress"), `408`, `425`, `429` and `5xx` are unknown,
+/// and so are `401`/`403`: a wrong key or a missing permission is the operator's to fix, never a final
+/// answer to store for a customer's payment; any other `4xx` is a refusal.
 pub fn http_outcome(status: Option<u16>) -> CallOutcome {
     match status {
         Some(200..=299) => CallOutcome::Succeeded,
-        Some(409 | 429) | Some(500..=599) | None => CallOutcome::Unknown,
+        Some(401 | 403 | 408 | 409 | 425 | 429) | Some(500..=599) | None => CallOutcome::Unknown,
         Some(400..=499) => CallOutcome::Refused,
         Some(_) => CallOutcome::Unknown,
     }
@@ -205,7 +206,7 @@ mod tests {
         for refused in [400, 402, 404, 422] {
             assert_eq!(http_outcome(Some(refused)), CallOutcome::Refused, "{refused}");
         }
-        for unknown in [None, Some(409), Some(429), Some(500), Some(503), Some(302)] {
+        for unknown in [None, Some(401), Some(403), Some(409), Some(429), Some(500), Some(503), Some(302)] {
             assert_eq!(http_outcome(unknown), CallOutcome::Unknown, "{unknown:?}");
         }
     }

@@ -11,12 +11,14 @@
 
 mod error;
 mod inbound;
+mod provider;
 mod records;
 mod repositories;
 mod runtime;
 
 pub use error::{PublishError, StoreError};
 pub use inbound::{BatchError, EventHandler, HandlerError};
+pub use provider::{Charge, ChargeRequest, PaymentProvider, ProviderError};
 pub use records::{
     ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyState, InboundEvent, NewOutboxMessage, NewPayment,
     NewRefund, OrderVersion, OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent,

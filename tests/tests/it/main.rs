@@ -9,3 +9,4 @@ mod consumer;
 mod http;
 mod outbox;
 mod postgres;
+mod provider;

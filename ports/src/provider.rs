@@ -1,0 +1,56 @@
+//! A payment provider (a card network, Stripe, Adyen): the other system a charge's real effect lives in.
+//! Calls carry the downstream idempotency key of their step (`idem_domain::phases::downstream_key`), so
+//! the provider deduplicates a repeated call; they run between the phases of a request, with no
+//! transaction open.
+
+use async_trait::async_trait;
+
+/// A charge to make.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChargeRequest {
+    /// Amount in the currency's minor unit (cents).
+    pub amount_minor: i64,
+    /// ISO 4217 code.
+    pub currency: String,
+    /// The provider's token of the card or account (`pm_…`); never logged.
+    pub payment_method: String,
+    /// idem's own id of the payment, echoed by the provider (and by its webhooks).
+    pub reference: String,
+}
+
+/// A charge the provider made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Charge {
+    /// The provider's id of the charge (`ch_…`): the payment's `external_payment_id`.
+    pub id: String,
+    /// What it charged, in minor units.
+    pub amount_minor: i64,
+    /// Its currency.
+    pub currency: String,
+}
+
+/// Why a call did not produce a charge.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProviderError {
+    /// The provider refused for good (a declined card, a key reused with other parameters): a final
+    /// answer, stored and replayed, never attempted again.
+    #[error("refused by the provider: {code}")]
+    Refused {
+        /// The provider's code (`card_declined`, `key_reused`, …).
+        code: String,
+    },
+    /// Nobody knows whether it happened (a timeout, a reset, `5xx`, `429`, the provider's own "in
+    /// progress"): call again later with the same key.
+    #[error("outcome unknown: {0}")]
+    Unknown(String),
+}
+
+/// A payment provider.
+#[async_trait]
+pub trait PaymentProvider: Send + Sync {
+    /// The name stored as the payments' `provider`.
+    fn name(&self) -> &str;
+
+    /// Charges once per `idempotency_key`: a repeated key with the same request gets the first answer.
+    async fn charge(&self, idempotency_key: &str, request: &ChargeRequest) -> Result<Charge, ProviderError>;
+}

@@ -1,0 +1,96 @@
+//! A stand-in payment provider speaking idem's provider contract (README, "Calling other systems"), for
+//! tests: `POST /v1/charges` with a Bearer key and an `Idempotency-Key`; a repeated key with the same
+//! parameters gets the first answer (as Stripe does), with other parameters `422 key_reused`;
+//! `payment_method = "pm_card_declined"` is `402 card_declined`. It counts its charges per key, so tests
+//! count effects at the provider, and it can answer late or fail the next calls before charging.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use serde_json::{Value, json};
+
+/// The provider's state, shared with the test.
+#[derive(Debug, Default)]
+pub struct StandIn {
+    /// The API key it accepts.
+    pub api_key: String,
+    /// Answers by idempotency key: the request's parameters and the answer.
+    answers: Mutex<HashMap<String, (Value, Value)>>,
+    /// Charges made.
+    pub charges: AtomicUsize,
+    /// Calls received.
+    pub calls: AtomicUsize,
+    /// Each answer is sent this many milliseconds late (after charging).
+    pub delay_ms: AtomicU64,
+    /// The next calls fail with this status before charging (0: none), counted down by `failures`.
+    pub fail_status: AtomicU16,
+    /// How many next calls fail.
+    pub failures: AtomicUsize,
+}
+
+impl StandIn {
+    /// Charges made for `key`: 0 or 1.
+    pub fn charges_for(&self, key: &str) -> usize {
+        self.answers.lock().map(|a| usize::from(a.contains_key(key))).unwrap_or_default()
+    }
+}
+
+/// Serves a stand-in provider accepting `api_key`; returns its state and base URL.
+pub async fn start(api_key: &str) -> anyhow::Result<(Arc<StandIn>, String)> {
+    let state = Arc::new(StandIn { api_key: api_key.to_owned(), ..StandIn::default() });
+    let router = axum::Router::new().route("/v1/charges", axum::routing::post(charge)).with_state(state.clone());
+    Ok((state, crate::serve(router).await?))
+}
+
+async fn charge(
+    State(p): State<Arc<StandIn>>,
+    headers: HeaderMap,
+    Json(params): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    p.calls.fetch_add(1, SeqCst);
+    let error =
+        |status: StatusCode, kind: &str, code: &str| (status, Json(json!({"error": {"type": kind, "code": code}})));
+    let bearer = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    if bearer != Some(p.api_key.as_str()) {
+        return error(StatusCode::UNAUTHORIZED, "authentication_error", "invalid_api_key");
+    }
+    let Some(key) = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_owned) else {
+        return error(StatusCode::BAD_REQUEST, "invalid_request_error", "idempotency_key_missing");
+    };
+    if p.failures.load(SeqCst) > 0 {
+        p.failures.fetch_sub(1, SeqCst);
+        let status = StatusCode::from_u16(p.fail_status.load(SeqCst)).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        return error(status, "api_error", "injected");
+    }
+    let answer = {
+        let Ok(mut answers) = p.answers.lock() else {
+            return error(StatusCode::INTERNAL_SERVER_ERROR, "api_error", "poisoned");
+        };
+        match answers.get(&key) {
+            Some((first, answer)) if *first == params => Ok(answer.clone()),
+            Some(_) => Err(error(StatusCode::UNPROCESSABLE_ENTITY, "idempotency_error", "key_reused")),
+            None if params["payment_method"] == "pm_card_declined" => {
+                Err(error(StatusCode::PAYMENT_REQUIRED, "card_error", "card_declined"))
+            }
+            None => {
+                let n = p.charges.fetch_add(1, SeqCst) + 1;
+                let answer = json!({
+                    "id": format!("ch_{n}"), "status": "succeeded", "amount_minor": params["amount_minor"],
+                    "currency": params["currency"], "reference": params["reference"],
+                });
+                answers.insert(key, (params.clone(), answer.clone()));
+                Ok(answer)
+            }
+        }
+    };
+    tokio::time::sleep(Duration::from_millis(p.delay_ms.load(SeqCst))).await;
+    match answer {
+        Ok(answer) => (StatusCode::OK, Json(answer)),
+        Err(refusal) => refusal,
+    }
+}
