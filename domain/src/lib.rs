@@ -15,6 +15,7 @@ pub mod phases;
 pub mod saga;
 pub mod ttl;
 pub mod usecases;
+pub mod webhook;
 pub mod wire;
 
 pub use events::{EventId, EventIdError, SagaStep, SagaStepError, uuid_v7_time};
