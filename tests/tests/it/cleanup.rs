@@ -291,3 +291,26 @@ async fn a_cleanup_round_stops_between_batches_on_shutdown() -> anyhow::Result<(
     assert!(left > 0 && left < 5_000, "{left} rows left: the round neither ran nor stopped");
     Ok(())
 }
+
+/// Issue 33: a record held between the phases of a foreign call is never cleaned up, however old: its
+/// retention counts from completion (deleting it would free the key while the provider may have charged).
+/// Completed and unheld expired records around it go as before.
+#[tokio::test]
+async fn records_held_between_phases_are_never_cleaned_up() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let now = Utc::now();
+    seed(&db, 30, now - chrono::Duration::hours(1), "old").await?;
+    sqlx::query(
+        "INSERT INTO idempotency_record (scope, key, command_hash, state, created_at, expires_at, attempt, lease_until, recovery_point)
+         VALUES ('m', 'held', sha256('held'), 'in_flight', $1, $2, 3, $2, 'charge')",
+    )
+    .bind(now - chrono::Duration::hours(80))
+    .bind(now - chrono::Duration::hours(30))
+    .execute(db.pool())
+    .await?;
+    let cleaner = Cleaner::new(db.store.clone(), CleanupSettings::default());
+    cleaner.run_once(now).await?.expect("lock free");
+    let left: Vec<String> = sqlx::query_scalar("SELECT key FROM idempotency_record").fetch_all(db.pool()).await?;
+    assert_eq!(left, ["held"], "only the held record stays");
+    Ok(())
+}
