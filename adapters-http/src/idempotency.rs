@@ -63,6 +63,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::FromRequestParts;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
+use idem_domain::phases::{self, Claim, InProgress, Lease};
 use idem_domain::{Decision, Fingerprint, IdempotencyKey, TtlPolicy, decide};
 use idem_ports::{
     ClaimOutcome, Clock, IdempotencyClaim, PhaseHold, StoreError, StoredResponse, TransactionManager, UnitOfWork,
@@ -446,12 +447,7 @@ impl Tx {
         };
         let ctx = self.1.clone().ok_or_else(|| internal("Tx::foreign_call needs a request with an Idempotency-Key"))?;
         let mut uow = self.0.take().ok_or_else(|| internal("Tx::foreign_call twice without Tx::resume"))?;
-        let hold = |now: chrono::DateTime<chrono::Utc>| PhaseHold {
-            attempt: ctx.attempt,
-            lease_until: now + chrono::Duration::from_std(ctx.lease).unwrap_or(chrono::Duration::seconds(30)),
-            recovery_point: step.to_owned(),
-        };
-        match uow.idempotency().hold(&ctx.scope, &ctx.key, &hold(ctx.clock.now())).await {
+        match uow.idempotency().hold(&ctx.scope, &ctx.key, &ctx.hold(step)).await {
             Ok(true) => {}
             Ok(false) => return Err(taken_over()),
             Err(e) => return Err(phase_store_problem(&e)),
@@ -468,12 +464,7 @@ impl Tx {
             let every = (renewer.lease / 3).max(Duration::from_millis(100));
             loop {
                 tokio::time::sleep(every).await;
-                let hold = PhaseHold {
-                    attempt: renewer.attempt,
-                    lease_until: renewer.clock.now()
-                        + chrono::Duration::from_std(renewer.lease).unwrap_or(chrono::Duration::seconds(30)),
-                    recovery_point: step_name.clone(),
-                };
+                let hold = renewer.hold(&step_name);
                 let renewed = async {
                     let mut uow = renewer.tm.begin().await?;
                     let held = uow.idempotency().hold(&renewer.scope, &renewer.key, &hold).await?;
@@ -509,6 +500,15 @@ impl Tx {
             Ok(false) => Err(taken_over()),
             Err(e) => Err(phase_store_problem(&e)),
         }
+    }
+}
+
+impl PhaseContext {
+    /// This attempt's hold on the record at `step`, its lease from now.
+    fn hold(&self, step: &str) -> PhaseHold {
+        let now = self.clock.now();
+        let lease = Lease { attempt: self.attempt, until: now }.renewed(now, self.lease);
+        PhaseHold { attempt: lease.attempt, lease_until: lease.until, recovery_point: step.to_owned() }
     }
 }
 
@@ -755,13 +755,18 @@ where
         }
         Ok(ClaimOutcome::Existing(record)) => match decide(Some(&record), &fingerprint, now) {
             Decision::Resume { attempt, recovery_point } => {
-                let lease_until =
-                    now + chrono::Duration::from_std(config.lease).unwrap_or(chrono::Duration::seconds(30));
-                match uow.idempotency().take_over(&claim.scope, &claim.key, attempt, lease_until, now).await {
+                // the model-checked rule gives the next attempt's lease (`model/src/phases.rs`)
+                let held = InProgress {
+                    lease: Lease { attempt, until: now },
+                    recovery_point: recovery_point.to_owned(),
+                };
+                let Claim::TakeOver { lease, resume_at } = phases::claim(Some(&held), now, config.lease) else {
+                    return in_flight();
+                };
+                match uow.idempotency().take_over(&claim.scope, &claim.key, attempt, lease.until, now).await {
                     Ok(true) => {
-                        tracing::info!(key = %claim.key, attempt = attempt + 1, resume_at = recovery_point, "taking over a request whose attempt lost its lease");
-                        let resume_at = Some(recovery_point.to_owned());
-                        execute(&shared, inner, parts, body, uow, Some((claim, attempt + 1, resume_at))).await
+                        tracing::info!(key = %claim.key, attempt = lease.attempt, resume_at, "taking over a request whose attempt lost its lease");
+                        execute(&shared, inner, parts, body, uow, Some((claim, lease.attempt, Some(resume_at)))).await
                     }
                     Ok(false) => in_flight(),
                     Err(e) => store_failure(&e),

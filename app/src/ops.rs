@@ -129,6 +129,8 @@ impl Ops {
             Err(_) => Some("timed out".to_owned()),
         };
         let broker = self.broker.check(Duration::from_secs(2)).await.err().map(|e| e.to_string());
+        // the broker gauge follows this probe: one metadata fetch serves both
+        self.gauges.broker_up.set(i64::from(broker.is_none()));
         let now = Readiness { database, broker };
         if let Ok(mut last) = self.readiness.lock() {
             *last = Some(now.clone());
@@ -153,7 +155,6 @@ impl Ops {
             };
             let ok = matches!(tokio::time::timeout(Duration::from_secs(5), database).await, Ok(Ok(())));
             g.database_up.set(i64::from(ok));
-            g.broker_up.set(i64::from(self.broker.check(Duration::from_secs(2)).await.is_ok()));
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(every) => {}

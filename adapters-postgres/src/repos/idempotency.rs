@@ -11,6 +11,11 @@ use idem_ports::{
 
 use crate::PgUnitOfWork;
 
+/// An attempt number as its column holds it.
+fn attempt_column(attempt: u32) -> Result<i32, StoreError> {
+    i32::try_from(attempt).map_err(|_| StoreError::Other("attempt out of range".into()))
+}
+
 fn duration_ms(wait: Duration) -> String {
     format!("{}ms", wait.as_millis().max(1))
 }
@@ -84,7 +89,7 @@ impl IdempotencyRepository for PgUnitOfWork {
     }
 
     async fn hold(&mut self, scope: &str, key: &str, hold: &PhaseHold) -> Result<bool, StoreError> {
-        let attempt = i32::try_from(hold.attempt).map_err(|_| StoreError::Other("attempt out of range".into()))?;
+        let attempt = attempt_column(hold.attempt)?;
         // the first hold of a claim (attempt 0 in the row) or a renewal by the attempt that holds it
         let held = sqlx::query!(
             r#"UPDATE idempotency_record SET attempt = $3, lease_until = $4, recovery_point = $5
@@ -110,7 +115,7 @@ impl IdempotencyRepository for PgUnitOfWork {
         lease_until: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> Result<bool, StoreError> {
-        let attempt = i32::try_from(attempt).map_err(|_| StoreError::Other("attempt out of range".into()))?;
+        let attempt = attempt_column(attempt)?;
         let taken = sqlx::query!(
             r#"UPDATE idempotency_record SET attempt = attempt + 1, lease_until = $4
                WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt = $3 AND lease_until <= $5"#,
@@ -127,7 +132,7 @@ impl IdempotencyRepository for PgUnitOfWork {
     }
 
     async fn owns(&mut self, scope: &str, key: &str, attempt: u32) -> Result<bool, StoreError> {
-        let attempt = i32::try_from(attempt).map_err(|_| StoreError::Other("attempt out of range".into()))?;
+        let attempt = attempt_column(attempt)?;
         let owned = sqlx::query_scalar!(
             r#"SELECT true AS "owned!" FROM idempotency_record
                WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt = $3 FOR UPDATE"#,
