@@ -11,11 +11,14 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, SecondsFormat, Utc};
 use idem_domain::usecases::{
-    ChargeCommand, ChargeError, ChargeOutcome, Env, RefundCommand, RefundError, charge_payment, refund_payment,
-    refund_reason,
+    ChargeCommand, ChargeError, ChargeOutcome, Env, ProviderChargeCommand, ProviderChargeError, RefundCommand,
+    RefundError, capture_charge, charge_payment, decline_charge, pending_payment, refund_payment, refund_reason,
 };
 use idem_domain::{Amount, Currency, Money, MoneyError, RefundRuleError, format_amount};
-use idem_ports::{Clock, IdGenerator, PaymentRecord, PaymentsOf, RefundRecord, StoreError, TransactionManager};
+use idem_ports::{
+    Clock, IdGenerator, PaymentProvider, PaymentRecord, PaymentStatus, PaymentsOf, ProviderError, RefundRecord,
+    StoreError, TransactionManager,
+};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use uuid::Uuid;
@@ -37,6 +40,8 @@ pub struct ApiState {
     pub ids: Arc<dyn IdGenerator>,
     /// Topic payment events are announced on.
     pub payments_topic: Arc<str>,
+    /// The payment provider charges with a `payment_method` go through (`None`: such charges are refused).
+    pub provider: Option<Arc<dyn PaymentProvider>>,
 }
 
 impl std::fmt::Debug for ApiState {
@@ -165,7 +170,7 @@ struct PaymentBody<'a> {
     order_id: Uuid,
     customer_id: Uuid,
     provider: &'a str,
-    external_payment_id: &'a str,
+    external_payment_id: Option<&'a str>,
     amount: String,
     currency: &'a str,
     status: idem_ports::PaymentStatus,
@@ -180,7 +185,7 @@ impl<'a> From<&'a PaymentRecord> for PaymentBody<'a> {
             order_id: p.order_id,
             customer_id: p.customer_id,
             provider: &p.provider,
-            external_payment_id: &p.external_payment_id,
+            external_payment_id: p.external_payment_id.as_deref(),
             amount: format_amount(p.amount, &p.currency),
             currency: &p.currency,
             status: p.status,
@@ -206,7 +211,11 @@ fn json_response(status: StatusCode, body: &impl Serialize, location: Option<Str
     response
 }
 
-const CHARGE_FIELDS: &[&str] = &["order_id", "customer_id", "provider", "external_payment_id", "amount", "currency"];
+const CHARGE_FIELDS: &[&str] =
+    &["order_id", "customer_id", "provider", "external_payment_id", "amount", "currency", "payment_method"];
+
+/// The recovery point (and downstream key step) of a charge through the provider.
+pub const CHARGE_STEP: &str = "charge";
 
 /// `POST /payments`
 pub async fn charge(
@@ -217,6 +226,9 @@ pub async fn charge(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let map = json_object(&headers, &body, CHARGE_FIELDS)?;
+    if map.contains_key("payment_method") {
+        return charge_through_provider(&state, &merchant, &headers, tx, &map).await;
+    }
     let order_id = uuid_field(&map, "order_id")?;
     let customer_id = uuid_field(&map, "customer_id")?;
     let provider = string_field(&map, "provider")?;
@@ -264,6 +276,110 @@ pub async fn charge(
                 .into())
         }
         Err(ChargeError::Store(e)) => Err(e.into()),
+    }
+}
+
+fn payment_created(p: &PaymentRecord) -> Response {
+    json_response(StatusCode::CREATED, &PaymentBody::from(p), Some(format!("/payments/{}", p.id)))
+}
+
+/// The answer to a charge the provider declined: stored and replayed (the payment ends `declined`).
+fn card_declined(p: &PaymentRecord) -> ApiError {
+    Problem::new(ProblemKind::CardDeclined, StatusCode::PAYMENT_REQUIRED)
+        .detail(format!("the payment provider declined the charge; payment {} is declined", p.id))
+        .commit()
+        .into()
+}
+
+fn provider_charge_problem(e: ProviderChargeError) -> ApiError {
+    match e {
+        ProviderChargeError::Store(e) => e.into(),
+        other => {
+            // an operator's case: logged with the payment id, never a charge applied twice or silently
+            tracing::error!(error = %other, "charge through the provider disagrees with the payment");
+            Problem::new(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR).into()
+        }
+    }
+}
+
+/// `POST /payments` with a `payment_method`: charged through the payment provider in phases (README,
+/// "Calling other systems"). First phase: the payment `pending`, its id derived from the request's key;
+/// then the provider's charge under the downstream key of the step, with no transaction open; second
+/// phase: `captured` with the provider's charge id and its announcement (or `declined`). A retry or a
+/// takeover resumes at the recovery point with the same downstream key, so the provider charges once.
+async fn charge_through_provider(
+    state: &ApiState,
+    merchant: &Merchant,
+    headers: &HeaderMap,
+    mut tx: Tx,
+    map: &Map<String, Value>,
+) -> Result<Response, ApiError> {
+    for recorded in ["provider", "external_payment_id"] {
+        if map.contains_key(recorded) {
+            return Err(invalid(recorded, "a charge through the provider (with payment_method) names no provider payment: leave it out"));
+        }
+    }
+    let Some(provider) = state.provider.clone() else {
+        return Err(invalid("payment_method", "this service has no payment provider configured"));
+    };
+    let amount = amount_field(map)?;
+    let currency =
+        Currency::parse(string_field(map, "currency")?).map_err(|e: MoneyError| invalid("currency", e.to_string()))?;
+    let cmd = ProviderChargeCommand::new(
+        &merchant.0,
+        uuid_field(map, "order_id")?,
+        uuid_field(map, "customer_id")?,
+        Money::new(amount, currency).map_err(|e| invalid("amount", e.to_string()))?,
+        string_field(map, "payment_method")?,
+    )
+    .map_err(|e| invalid(e.field, e.reason))?
+    .with_traceparent(traceparent(headers));
+    let Some(payment_id) = tx.intent_id("payment") else {
+        return Err(Problem::new(ProblemKind::IdempotencyKeyMissing, StatusCode::BAD_REQUEST)
+            .detail("a charge through the payment provider needs an Idempotency-Key")
+            .into());
+    };
+    let pending = pending_payment((state.payments_of)(tx.uow())?, state.env(), &cmd, payment_id, provider.name())
+        .await
+        .map_err(provider_charge_problem)?;
+    match pending.status {
+        PaymentStatus::Pending => {}
+        // resumed after the provider's webhook captured it, or after a stored decline was lost
+        PaymentStatus::Declined => return Err(card_declined(&pending)),
+        _ => return Ok(payment_created(&pending)),
+    }
+    let call = tx.foreign_call(CHARGE_STEP).await?;
+    let charged = provider.charge(call.key(), &cmd.charge_request(payment_id)).await;
+    match charged {
+        Ok(charge) => {
+            tx.resume(call).await?;
+            let captured = capture_charge(
+                (state.payments_of)(tx.uow())?,
+                state.env(),
+                payment_id,
+                &charge.id,
+                (charge.amount_minor, &charge.currency),
+                traceparent(headers),
+            )
+            .await
+            .map_err(provider_charge_problem)?;
+            Ok(payment_created(captured.payment()))
+        }
+        Err(ProviderError::Refused { code }) => {
+            tracing::info!(payment = %payment_id, code = %code.escape_debug(), "the provider refused the charge");
+            tx.resume(call).await?;
+            let declined =
+                decline_charge((state.payments_of)(tx.uow())?, state.env(), payment_id).await.map_err(provider_charge_problem)?;
+            match declined.status {
+                PaymentStatus::Declined => Err(card_declined(&declined)),
+                // the webhook captured it meanwhile: the provider charged after all
+                _ => Ok(payment_created(&declined)),
+            }
+        }
+        Err(ProviderError::Unknown(why)) => {
+            tracing::warn!(payment = %payment_id, why = %why, "the provider's answer is unknown; the retry asks again under the same key");
+            Err(tx.outcome_unknown(call).await.into())
+        }
     }
 }
 

@@ -386,6 +386,7 @@ pub struct Tx(OwnedMutexGuard<Option<Box<dyn UnitOfWork>>>, Option<Arc<PhaseCont
 #[derive(Debug)]
 pub struct ForeignCall {
     key: String,
+    step: String,
     renewal: tokio::task::JoinHandle<()>,
 }
 
@@ -426,6 +427,14 @@ impl Tx {
     /// phase's writes — the intent — are committed; do not write them again).
     pub fn recovery_point(&self) -> Option<&str> {
         self.1.as_ref().and_then(|p| p.resume_at.as_deref())
+    }
+
+    /// The id of an intent this request writes in its first phase (a `pending` payment), derived from the
+    /// request's scope, key and `name` ([`idem_domain::phases::intent_id`]): every attempt — a retry, a
+    /// takeover, the completer — names the same row, so a resumed attempt finds what the first one wrote.
+    /// `None` without an `Idempotency-Key`.
+    pub fn intent_id(&self, name: &str) -> Option<uuid::Uuid> {
+        self.1.as_ref().map(|p| idem_domain::phases::intent_id(&p.scope, &p.key, name))
     }
 
     /// Ends the first phase before a call to another system (a payment provider, an email, another
@@ -478,7 +487,35 @@ impl Tx {
                 }
             }
         });
-        Ok(ForeignCall { key: idem_domain::phases::downstream_key(&ctx.scope, &ctx.key, step), renewal })
+        Ok(ForeignCall {
+            key: idem_domain::phases::downstream_key(&ctx.scope, &ctx.key, step),
+            step: step.to_owned(),
+            renewal,
+        })
+    }
+
+    /// Ends a [`Tx::foreign_call`] whose outcome is unknown (a timeout, a reset, `5xx`, `429`, the other
+    /// side's "in progress"): the record stays at its recovery point, its lease is given up so the client's
+    /// retry (or the completer) resumes at once with the same key, and the answer is `503 outcome-unknown`
+    /// with `Retry-After` — return it from the handler.
+    pub async fn outcome_unknown(&mut self, call: ForeignCall) -> Problem {
+        let step = call.step.clone();
+        drop(call);
+        if let Some(ctx) = self.1.clone() {
+            let hold = PhaseHold { attempt: ctx.attempt, lease_until: ctx.clock.now(), recovery_point: step };
+            let released = async {
+                let mut uow = ctx.tm.begin().await?;
+                uow.idempotency().hold(&ctx.scope, &ctx.key, &hold).await?;
+                uow.commit().await
+            };
+            if let Err(e) = released.await {
+                // the lease then lapses on its own: the retry waits for it
+                tracing::warn!(error = %e, "could not give up the lease after an unknown outcome");
+            }
+        }
+        Problem::new(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE)
+            .detail("the other system's answer is unknown; retry with the same Idempotency-Key: the retry asks it again under the same key, so it acts at most once")
+            .retry_after(1)
     }
 
     /// Starts the second phase after a [`Tx::foreign_call`]: a new unit of work that holds the key's record

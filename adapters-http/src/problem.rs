@@ -54,13 +54,17 @@ pub enum ProblemKind {
     RefundNotAllowed,
     /// 409: a refund finer than the payment's currency.
     AmountFinerThanCurrency,
+    /// 402: the payment provider declined the charge (a final answer, replayed).
+    CardDeclined,
+    /// 400/401: a webhook whose signature is missing, wrong or too old.
+    WebhookSignatureInvalid,
     /// 500.
     Internal,
 }
 
 impl ProblemKind {
     /// Every kind (the API document lists their type URIs).
-    pub const ALL: [Self; 22] = [
+    pub const ALL: [Self; 24] = [
         Self::Unauthorized,
         Self::IdempotencyKeyMissing,
         Self::IdempotencyKeyInvalid,
@@ -82,6 +86,8 @@ impl ProblemKind {
         Self::RefundExceedsCaptured,
         Self::RefundNotAllowed,
         Self::AmountFinerThanCurrency,
+        Self::CardDeclined,
+        Self::WebhookSignatureInvalid,
         Self::Internal,
     ];
 
@@ -109,6 +115,8 @@ impl ProblemKind {
             Self::RefundExceedsCaptured => "urn:idem:problem:refund-exceeds-captured",
             Self::RefundNotAllowed => "urn:idem:problem:refund-not-allowed",
             Self::AmountFinerThanCurrency => "urn:idem:problem:amount-finer-than-currency",
+            Self::CardDeclined => "urn:idem:problem:card-declined",
+            Self::WebhookSignatureInvalid => "urn:idem:problem:webhook-signature-invalid",
             Self::Internal => "urn:idem:problem:internal",
         }
     }
@@ -136,6 +144,8 @@ impl ProblemKind {
             Self::RefundExceedsCaptured => "Refund exceeds what is left to refund",
             Self::RefundNotAllowed => "Payment cannot be refunded",
             Self::AmountFinerThanCurrency => "Amount is finer than the payment's currency allows",
+            Self::CardDeclined => "The payment provider declined the charge",
+            Self::WebhookSignatureInvalid => "Webhook signature is missing, invalid or too old",
             Self::Internal => "Internal error",
         }
     }

@@ -51,13 +51,68 @@ pub fn redact_url(url: &str) -> String {
 
 /// The secret settings that may also come from a file named by `<VARIABLE>_FILE` (the container and
 /// orchestrator convention: a mounted secret instead of a value in the environment).
-pub const FILE_SECRETS: [(&str, &str); 5] = [
+pub const FILE_SECRETS: [(&str, &str); 7] = [
     ("DATABASE_URL", "database_url"),
     ("DATABASE_DIRECT_URL", "database_direct_url"),
     ("IDEM_API_KEYS", "api_keys"),
     ("IDEM_API_KEY", "api_key"),
     ("KAFKA_SASL_PASSWORD", "kafka_sasl_password"),
+    ("PAYMENT_PROVIDER_API_KEY", "payment_provider_api_key"),
+    ("PAYMENT_PROVIDER_WEBHOOK_SECRET", "payment_provider_webhook_secret"),
 ];
+
+/// The payment provider charges with a `payment_method` go through (README, "Calling other systems").
+#[derive(Debug, Clone, clap::Args)]
+pub struct ProviderArgs {
+    /// Base URL of the payment provider's API (`https://…`); unset: charges name their provider payment
+    /// themselves (the recording flow) and a `payment_method` is refused.
+    #[arg(long, env = "PAYMENT_PROVIDER_URL")]
+    pub payment_provider_url: Option<String>,
+    /// The provider's name, stored as the payments' `provider`.
+    #[arg(long, env = "PAYMENT_PROVIDER_NAME", default_value = "provider")]
+    pub payment_provider_name: String,
+    /// API key sent as `Authorization: Bearer`; also read from `PAYMENT_PROVIDER_API_KEY_FILE`.
+    #[arg(long, env = "PAYMENT_PROVIDER_API_KEY", hide_env_values = true, value_parser = |s: &str| Ok::<_, String>(Secret(s.to_owned())))]
+    pub payment_provider_api_key: Option<Secret>,
+    /// Secret the provider signs its webhooks with; also read from `PAYMENT_PROVIDER_WEBHOOK_SECRET_FILE`.
+    /// Unset: `POST /webhooks/payment-provider` answers 404.
+    #[arg(long, env = "PAYMENT_PROVIDER_WEBHOOK_SECRET", hide_env_values = true, value_parser = |s: &str| Ok::<_, String>(Secret(s.to_owned())))]
+    pub payment_provider_webhook_secret: Option<Secret>,
+    /// Longest wait for one provider call; past it the outcome is unknown (503, the retry asks again under
+    /// the same key). Below HTTP_REQUEST_TIMEOUT, so the handler answers before the request is dropped.
+    #[arg(long, env = "PAYMENT_PROVIDER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub payment_provider_timeout: Duration,
+    /// How often the completer looks for requests whose attempt died between the phases and whose client
+    /// did not come back, and drives them to completion.
+    #[arg(long, env = "COMPLETER_INTERVAL", default_value = "10s", value_parser = parse_duration)]
+    pub completer_interval: Duration,
+}
+
+impl ProviderArgs {
+    fn validate(&self, request_timeout: Duration) -> Result<(), String> {
+        if let Some(url) = &self.payment_provider_url {
+            if !(url.starts_with("https://") || url.starts_with("http://")) {
+                return Err("PAYMENT_PROVIDER_URL must be an http(s) URL".into());
+            }
+            if self.payment_provider_api_key.is_none() {
+                return Err("PAYMENT_PROVIDER_URL needs PAYMENT_PROVIDER_API_KEY (or _FILE)".into());
+            }
+        }
+        if self.payment_provider_timeout.is_zero() || self.payment_provider_timeout >= request_timeout {
+            return Err("PAYMENT_PROVIDER_TIMEOUT must be positive and below HTTP_REQUEST_TIMEOUT".into());
+        }
+        if idem_domain::usecases::PROVIDER_MAX_LEN < self.payment_provider_name.len()
+            || self.payment_provider_name.is_empty()
+            || !self.payment_provider_name.bytes().all(|b| (0x21..=0x7e).contains(&b))
+        {
+            return Err("PAYMENT_PROVIDER_NAME must be 1 to 64 printable ASCII characters".into());
+        }
+        if self.completer_interval < Duration::from_millis(100) {
+            return Err("COMPLETER_INTERVAL must be at least 100ms".into());
+        }
+        Ok(())
+    }
+}
 
 /// Applies `<VARIABLE>_FILE` to `cmd` and every subcommand that has the setting: when the variable itself is
 /// not set and the file variable is, the file's content (one trailing newline dropped) becomes the
@@ -360,6 +415,8 @@ pub struct ServeArgs {
     pub kafka: KafkaArgs,
     #[command(flatten)]
     pub relay: RelayArgs,
+    #[command(flatten)]
+    pub provider: ProviderArgs,
     /// Address the HTTP API listens on.
     #[arg(long, env = "HTTP_ADDR", default_value = "127.0.0.1:8080")]
     pub http_addr: SocketAddr,
@@ -491,6 +548,7 @@ impl ServeArgs {
                 "HTTP_HEADER_READ_TIMEOUT, HTTP_BODY_READ_TIMEOUT and HTTP_REQUEST_TIMEOUT must be positive".into()
             );
         }
+        self.provider.validate(self.http_request_timeout)?;
         if self.cleanup_interval < Duration::from_secs(1) {
             return Err("CLEANUP_INTERVAL must be at least 1s".into());
         }

@@ -67,7 +67,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     cancel_on_signal(shutdown.clone());
     let mut registry = Registry::default();
 
-    let api = api(&args, &stores.api, &checked, &mut registry);
+    let api = api(&args, &stores.api, &checked, &mut registry)?;
     let runner = order_consumer(&args, &cluster, &stores.background, &checked, &mut registry);
     let cleaner = cleaner(&args, &stores.background, &mut registry);
     let cleanup_stats = cleaner.stats();
@@ -165,7 +165,7 @@ async fn check_settings(store: &PgStore, args: &ServeArgs) -> anyhow::Result<Che
 }
 
 /// The payment API behind the idempotency layer, its metrics registered.
-fn api(args: &ServeArgs, store: &PgStore, checked: &Checked, registry: &mut Registry) -> axum::Router {
+fn api(args: &ServeArgs, store: &PgStore, checked: &Checked, registry: &mut Registry) -> anyhow::Result<axum::Router> {
     let http_metrics = HttpMetrics::default();
     http_metrics.register(registry);
     let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
@@ -176,6 +176,7 @@ fn api(args: &ServeArgs, store: &PgStore, checked: &Checked, registry: &mut Regi
         clock: clock.clone(),
         ids: Arc::new(UuidV7Generator),
         payments_topic: args.kafka.payments_topic.as_str().into(),
+        provider: payment_provider(&args.provider)?,
     };
     let mut config = IdempotencyConfig::new(checked.idempotency_ttl, idem_http::merchant_scope());
     config.wait = args.idempotency_wait;
@@ -202,7 +203,21 @@ fn api(args: &ServeArgs, store: &PgStore, checked: &Checked, registry: &mut Regi
     };
     let api_keys = args.api_keys.clone().with_concurrency_limit(args.merchant_concurrency as usize);
     api_keys.register(registry);
-    idem_http::router_with_metrics(state, Arc::new(api_keys), layer, http_metrics)
+    Ok(idem_http::router_with_metrics(state, Arc::new(api_keys), layer, http_metrics))
+}
+
+/// The payment provider of `PAYMENT_PROVIDER_URL`, if one is configured.
+fn payment_provider(
+    args: &crate::config::ProviderArgs,
+) -> anyhow::Result<Option<Arc<dyn idem_ports::PaymentProvider>>> {
+    let (Some(url), Some(key)) = (&args.payment_provider_url, &args.payment_provider_api_key) else {
+        return Ok(None);
+    };
+    let provider =
+        idem_http::provider::HttpPaymentProvider::new(&args.payment_provider_name, url, &key.0, args.payment_provider_timeout)
+            .context("building the payment provider's HTTP client")?;
+    tracing::info!(name = %args.payment_provider_name, "charges with a payment_method go through the payment provider");
+    Ok(Some(Arc::new(provider)))
 }
 
 /// The order-event consumer on the background pool, its statistics registered.

@@ -37,6 +37,7 @@ pub fn can_transition(from: PaymentStatus, to: PaymentStatus) -> bool {
     matches!(
         (from, to),
         (Pending, Captured)
+            | (Pending, Declined)
             | (Captured, PartiallyRefunded)
             | (Captured, Refunded)
             | (PartiallyRefunded, PartiallyRefunded)
@@ -50,7 +51,7 @@ pub fn refundable(payment: &PaymentRecord) -> Decimal {
         PaymentStatus::Captured | PaymentStatus::PartiallyRefunded => {
             (payment.amount - payment.refunded_amount).max(Decimal::ZERO)
         }
-        PaymentStatus::Pending | PaymentStatus::Refunded => Decimal::ZERO,
+        PaymentStatus::Pending | PaymentStatus::Refunded | PaymentStatus::Declined => Decimal::ZERO,
     }
 }
 
@@ -85,7 +86,7 @@ mod tests {
             order_id: Uuid::nil(),
             customer_id: Uuid::nil(),
             provider: "p".into(),
-            external_payment_id: "e".into(),
+            external_payment_id: Some("e".into()),
             amount: Amount::parse(amount).expect("valid").value(),
             currency: "EUR".into(),
             status: PaymentStatus::Captured,

@@ -128,6 +128,18 @@ pub fn downstream_key(scope: &str, key: &str, step: &str) -> String {
     hex::encode(hash.finalize())
 }
 
+/// The id of an intent a request writes in its first phase (a `pending` payment), derived like
+/// [`downstream_key`] from whose request it is and the intent's `name`: every attempt names the same row,
+/// so a resumed attempt finds what an earlier one wrote. A UUID version 8 (custom) from the SHA-256.
+pub fn intent_id(scope: &str, key: &str, name: &str) -> uuid::Uuid {
+    let digest = downstream_key(scope, key, &format!("intent:{name}"));
+    let mut bytes = [0u8; 16];
+    for (i, b) in bytes.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&digest[2 * i..2 * i + 2], 16).unwrap_or_default();
+    }
+    uuid::Builder::from_custom_bytes(bytes).into_uuid()
+}
+
 /// What a foreign call's answer means for the record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CallOutcome {
@@ -198,6 +210,15 @@ mod tests {
             downstream_key("s", "k", "charge"),
             "d4ff8ba8714c9e0e3b8c0df59b60fa7d690093ab3351abffc3b69a995d4e29da"
         );
+    }
+
+    #[test]
+    fn an_intent_id_is_the_same_for_every_attempt_and_differs_from_other_requests() {
+        let id = intent_id("merchant_a", "key-1", "payment");
+        assert_eq!(id, intent_id("merchant_a", "key-1", "payment"));
+        assert_eq!(id.get_version_num(), 8);
+        assert_ne!(id, intent_id("merchant_b", "key-1", "payment"));
+        assert_ne!(id, intent_id("merchant_a", "key-1", "refund"));
     }
 
     #[test]

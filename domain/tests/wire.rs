@@ -27,7 +27,7 @@ fn payment() -> PaymentRecord {
         order_id: Uuid::from_u128(0x0193_a000_0000_7000_8000_0000_0000_0002),
         customer_id: Uuid::from_u128(0x0193_a000_0000_7000_8000_0000_0000_0003),
         provider: "stripe".into(),
-        external_payment_id: "pi_123".into(),
+        external_payment_id: Some("pi_123".into()),
         amount: Decimal::new(123_400, 4),
         currency: "EUR".into(),
         status: PaymentStatus::Captured,

@@ -10,7 +10,7 @@ use uuid::Uuid;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PaymentStatus {
-    /// Created, not yet captured (not produced by the current use cases; kept for providers that authorize first).
+    /// Written before the payment provider is called; not yet charged (no provider charge id yet).
     Pending,
     /// Captured in full; refundable.
     Captured,
@@ -18,6 +18,8 @@ pub enum PaymentStatus {
     PartiallyRefunded,
     /// Refunded in full; nothing left to refund.
     Refunded,
+    /// The payment provider declined the charge (a final answer): nothing was charged.
+    Declined,
 }
 
 impl PaymentStatus {
@@ -28,6 +30,7 @@ impl PaymentStatus {
             Self::Captured => "captured",
             Self::PartiallyRefunded => "partially_refunded",
             Self::Refunded => "refunded",
+            Self::Declined => "declined",
         }
     }
 
@@ -38,6 +41,7 @@ impl PaymentStatus {
             "captured" => Self::Captured,
             "partially_refunded" => Self::PartiallyRefunded,
             "refunded" => Self::Refunded,
+            "declined" => Self::Declined,
             _ => return None,
         })
     }
@@ -81,8 +85,8 @@ pub struct PaymentRecord {
     pub customer_id: Uuid,
     /// Payment provider.
     pub provider: String,
-    /// The provider's payment id.
-    pub external_payment_id: String,
+    /// The provider's payment id (`None` while a charge through the provider is pending or was declined).
+    pub external_payment_id: Option<String>,
     /// The captured amount (scale 4 as stored).
     pub amount: Decimal,
     /// ISO 4217 code.
@@ -102,6 +106,28 @@ pub enum PaymentInsert {
     Inserted(PaymentRecord),
     /// A committed payment with the same (provider, external_payment_id) exists; it is returned as stored.
     Existing(PaymentRecord),
+}
+
+/// A payment written `pending` before its charge at the payment provider (the intent of the first phase):
+/// it has no provider charge id until it is captured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewPendingPayment {
+    /// The payment id (derived from the request's key, so every attempt names the same payment).
+    pub id: Uuid,
+    /// The merchant that owns the payment.
+    pub merchant_id: String,
+    /// The order the payment belongs to.
+    pub order_id: Uuid,
+    /// The paying customer.
+    pub customer_id: Uuid,
+    /// The provider charged (its configured name).
+    pub provider: String,
+    /// Positive, no finer than the currency's minor unit.
+    pub amount: Decimal,
+    /// ISO 4217 code.
+    pub currency: String,
+    /// When the use case created it.
+    pub created_at: DateTime<Utc>,
 }
 
 /// A refund to insert.

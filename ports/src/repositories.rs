@@ -7,7 +7,7 @@ use uuid::Uuid;
 use crate::error::StoreError;
 use crate::records::{
     ClaimOutcome, IdempotencyClaim, IdempotencyRecord, NewOutboxMessage, NewPayment, NewRefund, OutboxRecord,
-    PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent, RefundRecord, SagaStepClaim,
+    NewPendingPayment, PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent, RefundRecord, SagaStepClaim,
     StoredResponse,
 };
 
@@ -159,6 +159,33 @@ pub trait PaymentRepository: Send {
         merchant_id: &str,
         order_id: Uuid,
     ) -> Result<Option<PaymentRecord>, StoreError>;
+
+    /// Inserts a pending payment unless a payment with its id exists (a resumed attempt), and returns the
+    /// payment as stored.
+    async fn insert_pending(&mut self, payment: &NewPendingPayment) -> Result<PaymentRecord, StoreError>;
+
+    /// Captures the pending payment `id` with the provider's charge id, and returns it; `None` when it is
+    /// not pending (already captured — by the API path or a webhook — or declined): read it with
+    /// [`PaymentRepository::get_for_update`]. The unique (provider, external_payment_id) still holds: a
+    /// charge id another payment carries is [`StoreError::UniqueViolation`].
+    async fn capture(
+        &mut self,
+        id: Uuid,
+        external_payment_id: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Option<PaymentRecord>, StoreError>;
+
+    /// Marks the pending payment `id` declined; `None` when it is not pending.
+    async fn decline(&mut self, id: Uuid, now: DateTime<Utc>) -> Result<Option<PaymentRecord>, StoreError>;
+
+    /// Records the provider's event `event_id` as applied, in this unit: false when it was applied before.
+    async fn record_provider_event(
+        &mut self,
+        provider: &str,
+        event_id: &str,
+        kind: &str,
+        now: DateTime<Utc>,
+    ) -> Result<bool, StoreError>;
 
     /// Inserts a refund and sets the payment's refunded amount and status.
     async fn apply_refund(

@@ -38,6 +38,19 @@ impl StandIn {
     pub fn charges_for(&self, key: &str) -> usize {
         self.answers.lock().map(|a| usize::from(a.contains_key(key))).unwrap_or_default()
     }
+
+    /// Every charge made: its id, amount in minor units and reference (idem's payment id), in no order.
+    pub fn charges_made(&self) -> Vec<(String, i64, String)> {
+        let Ok(answers) = self.answers.lock() else { return Vec::new() };
+        answers
+            .values()
+            .filter(|(_, a)| a["status"] == "succeeded")
+            .map(|(_, a)| {
+                let text = |f: &str| a[f].as_str().unwrap_or_default().to_owned();
+                (text("id"), a["amount_minor"].as_i64().unwrap_or_default(), text("reference"))
+            })
+            .collect()
+    }
 }
 
 /// Serves a stand-in provider accepting `api_key`; returns its state and base URL.

@@ -3,7 +3,7 @@
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use idem_ports::{
-    NewPayment, NewRefund, PaymentInsert, PaymentRecord, PaymentRepository, PaymentStatus, ProjectionRepository,
+    NewPayment, NewPendingPayment, NewRefund, PaymentInsert, PaymentRecord, PaymentRepository, PaymentStatus, ProjectionRepository,
     RefundRecord, StoreError,
 };
 use rust_decimal::Decimal;
@@ -17,7 +17,7 @@ struct PaymentRow {
     order_id: Uuid,
     customer_id: Uuid,
     provider: String,
-    external_payment_id: String,
+    external_payment_id: Option<String>,
     amount: Decimal,
     currency: String,
     status: String,
@@ -183,7 +183,8 @@ impl PaymentRepository for PgUnitOfWork {
             .map_err(|e| self.failed(e))?;
             for row in rows {
                 let rec = PaymentRecord::try_from(row)?;
-                existing.insert((rec.provider.clone(), rec.external_payment_id.clone()), rec);
+                let external = rec.external_payment_id.clone().unwrap_or_default();
+                existing.insert((rec.provider.clone(), external), rec);
             }
         }
         payments
@@ -250,6 +251,90 @@ impl PaymentRepository for PgUnitOfWork {
         .await
         .map_err(|e| self.failed(e))?;
         record(row)
+    }
+
+    async fn insert_pending(&mut self, p: &NewPendingPayment) -> Result<PaymentRecord, StoreError> {
+        // ON CONFLICT (id) DO UPDATE touches nothing but makes the existing row (a resumed attempt's) come back
+        sqlx::query_as!(
+            PaymentRow,
+            r#"INSERT INTO payment (id, merchant_id, order_id, customer_id, provider, external_payment_id,
+                                   amount, currency, status, created_at, updated_at)
+               VALUES ($1, $2, $3, $4, $5, NULL, $6, $7, 'pending', $8, $8)
+               ON CONFLICT (id) DO UPDATE SET id = payment.id
+               RETURNING id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                         currency AS "currency!", status, refunded_amount, created_at"#,
+            p.id,
+            p.merchant_id,
+            p.order_id,
+            p.customer_id,
+            p.provider,
+            p.amount,
+            p.currency,
+            p.created_at,
+        )
+        .fetch_one(self.db())
+        .await
+        .map_err(|e| self.failed(e))?
+        .try_into()
+    }
+
+    async fn capture(
+        &mut self,
+        id: Uuid,
+        external_payment_id: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Option<PaymentRecord>, StoreError> {
+        let row = sqlx::query_as!(
+            PaymentRow,
+            r#"UPDATE payment SET status = 'captured', external_payment_id = $2, updated_at = $3
+               WHERE id = $1 AND status = 'pending'
+               RETURNING id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                         currency AS "currency!", status, refunded_amount, created_at"#,
+            id,
+            external_payment_id,
+            now,
+        )
+        .fetch_optional(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        record(row)
+    }
+
+    async fn decline(&mut self, id: Uuid, now: DateTime<Utc>) -> Result<Option<PaymentRecord>, StoreError> {
+        let row = sqlx::query_as!(
+            PaymentRow,
+            r#"UPDATE payment SET status = 'declined', updated_at = $2
+               WHERE id = $1 AND status = 'pending'
+               RETURNING id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                         currency AS "currency!", status, refunded_amount, created_at"#,
+            id,
+            now,
+        )
+        .fetch_optional(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        record(row)
+    }
+
+    async fn record_provider_event(
+        &mut self,
+        provider: &str,
+        event_id: &str,
+        kind: &str,
+        now: DateTime<Utc>,
+    ) -> Result<bool, StoreError> {
+        let recorded = sqlx::query!(
+            "INSERT INTO provider_event (provider, event_id, type, received_at) VALUES ($1, $2, $3, $4)
+             ON CONFLICT DO NOTHING",
+            provider,
+            event_id,
+            kind,
+            now,
+        )
+        .execute(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        Ok(recorded.rows_affected() == 1)
     }
 
     async fn apply_refund(

@@ -263,7 +263,7 @@ mod tests {
             order_id: from.order_id,
             customer_id: from.customer_id,
             provider: from.provider.clone(),
-            external_payment_id: from.external_payment_id.clone(),
+            external_payment_id: Some(from.external_payment_id.clone()),
             amount: from.amount,
             currency: from.currency.clone(),
             status: from.status,

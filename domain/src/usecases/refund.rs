@@ -108,7 +108,7 @@ mod tests {
             order_id: Uuid::from_u128(1),
             customer_id: Uuid::from_u128(2),
             provider: "p".into(),
-            external_payment_id: "e".into(),
+            external_payment_id: Some("e".into()),
             amount: Decimal::new(100_0000, 4),
             currency: "EUR".into(),
             status: PaymentStatus::Captured,

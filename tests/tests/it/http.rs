@@ -51,6 +51,7 @@ fn api_state(store: &PgStore) -> ApiState {
         clock: Arc::new(SystemClock),
         ids: Arc::new(UuidV7Generator),
         payments_topic: "payments".into(),
+        provider: None,
     }
 }
 

@@ -9,4 +9,5 @@ mod consumer;
 mod http;
 mod outbox;
 mod postgres;
+mod payments_provider;
 mod provider;

@@ -1,0 +1,219 @@
+//! Issue 33 (reference service): `POST /payments` with a `payment_method` charges through the payment
+//! provider in phases. Each case counts the effects at the stand-in provider (charges per key), in the
+//! database (payments, their announcements) and what the client sees on a retry.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering::SeqCst;
+use std::time::Duration;
+
+use idem_domain::TtlPolicy;
+use idem_http::provider::HttpPaymentProvider;
+use idem_http::{ApiKeys, ApiState, IdempotencyConfig, IdempotencyLayer};
+use idem_ports::{PaymentProvider, SystemClock, TransactionManager, UuidV7Generator};
+use idem_postgres::PgStore;
+use idem_tests::TestDb;
+use idem_tests::provider::StandIn;
+use serde_json::{Value, json};
+
+const API_KEY: &str = "key_a_0123456789";
+const PROVIDER_KEY: &str = "sk_test_standin_0123";
+
+/// One instance of the service on `store`, charging through the provider at `provider_base`.
+async fn instance(store: &PgStore, provider_base: &str, call_timeout: Duration, lease: Duration) -> anyhow::Result<String> {
+    let provider: Arc<dyn PaymentProvider> =
+        Arc::new(HttpPaymentProvider::new("standin", provider_base, PROVIDER_KEY, call_timeout)?);
+    let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
+    let state = ApiState {
+        tm: tm.clone(),
+        payments_of: idem_postgres::payments_of,
+        clock: Arc::new(SystemClock),
+        ids: Arc::new(UuidV7Generator),
+        payments_topic: "payments".into(),
+        provider: Some(provider),
+    };
+    let mut config =
+        IdempotencyConfig::new(TtlPolicy::new(Duration::from_secs(48 * 3600))?, idem_http::merchant_scope());
+    config.lease = lease;
+    let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), config);
+    let keys = Arc::new(ApiKeys::parse(&format!("merchant_a:{API_KEY}")).map_err(anyhow::Error::msg)?);
+    idem_tests::serve(idem_http::router(state, keys, layer)).await
+}
+
+struct Reply {
+    status: u16,
+    replayed: bool,
+    body: Value,
+    raw: Vec<u8>,
+}
+
+async fn charge(base: &str, key: &str, body: &Value) -> anyhow::Result<Reply> {
+    let resp = reqwest::Client::new()
+        .post(format!("{base}/payments"))
+        .bearer_auth(API_KEY)
+        .header("idempotency-key", key)
+        .json(body)
+        .send()
+        .await?;
+    let status = resp.status().as_u16();
+    let replayed = resp.headers().get("idempotent-replayed").is_some_and(|v| v == "true");
+    let raw = resp.bytes().await?.to_vec();
+    Ok(Reply { status, replayed, body: serde_json::from_slice(&raw).unwrap_or(Value::Null), raw })
+}
+
+fn card(payment_method: &str, amount: &str) -> Value {
+    json!({
+        "order_id": uuid::Uuid::now_v7(), "customer_id": uuid::Uuid::now_v7(),
+        "amount": amount, "currency": "EUR", "payment_method": payment_method,
+    })
+}
+
+/// The effects in the database: (payments by status, `PaymentCaptured` announcements).
+async fn effects(db: &TestDb) -> anyhow::Result<(Vec<(String, i64)>, i64)> {
+    let statuses: Vec<(String, i64)> =
+        sqlx::query_as("SELECT status, count(*) FROM payment GROUP BY status ORDER BY status").fetch_all(db.pool()).await?;
+    let announced: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE type = 'PaymentCaptured'")
+        .fetch_one(db.pool())
+        .await?;
+    Ok((statuses, announced))
+}
+
+/// Money conserved: what the provider charged equals what idem captured, payment by payment (the charge's
+/// reference is idem's payment id, its id the payment's external_payment_id).
+async fn assert_money_conserved(db: &TestDb, standin: &StandIn) -> anyhow::Result<()> {
+    let mut at_provider: Vec<(String, i64, String)> = standin.charges_made();
+    at_provider.sort();
+    let mut in_idem: Vec<(String, i64, String)> = sqlx::query_as(
+        "SELECT external_payment_id, (amount * 100)::bigint, id::text FROM payment WHERE status = 'captured'",
+    )
+    .fetch_all(db.pool())
+    .await?;
+    in_idem.sort();
+    assert_eq!(at_provider, in_idem, "charges at the provider vs captured payments");
+    Ok(())
+}
+
+/// A charge, its replay, a decline and its replay, the refusal of a charge that also names a provider
+/// payment: one provider charge, one announcement, identical replays.
+#[tokio::test]
+async fn a_charge_and_a_decline_through_the_provider_happen_once_and_replay() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let base = instance(&db.store, &provider, Duration::from_secs(5), Duration::from_secs(30)).await?;
+
+    let body = card("pm_card_visa", "12.34");
+    let first = charge(&base, "provider-charge-1", &body).await?;
+    assert_eq!(first.status, 201, "{}", first.body);
+    assert_eq!(first.body["status"], "captured");
+    assert_eq!(first.body["provider"], "standin");
+    assert_eq!(first.body["external_payment_id"], "ch_1");
+    let again = charge(&base, "provider-charge-1", &body).await?;
+    assert!(again.replayed);
+    assert_eq!((again.status, &again.raw), (201, &first.raw), "the replay is the first answer");
+
+    let declined = charge(&base, "provider-decline-1", &card("pm_card_declined", "5.00")).await?;
+    assert_eq!(declined.status, 402, "{}", declined.body);
+    assert_eq!(declined.body["type"], "urn:idem:problem:card-declined");
+    let replayed = charge(&base, "provider-decline-1", &card("pm_card_declined", "5.00")).await?;
+    // the body differs (new order ids): a conflict, not a second call; the same body replays the decline
+    assert_eq!(replayed.status, 409, "another request under the key");
+    assert_eq!(standin.calls.load(SeqCst), 2, "one call per key: the decline was not asked again");
+
+    let both = json!({"order_id": uuid::Uuid::now_v7(), "customer_id": uuid::Uuid::now_v7(), "amount": "1.00",
+                      "currency": "EUR", "payment_method": "pm_card_visa", "provider": "x", "external_payment_id": "y"});
+    let refused = charge(&base, "provider-both-1", &both).await?;
+    assert_eq!((refused.status, refused.body["field"].as_str()), (422, Some("provider")));
+
+    assert_eq!(standin.charges.load(SeqCst), 1);
+    let (statuses, announced) = effects(&db).await?;
+    assert_eq!(statuses, vec![("captured".to_owned(), 1), ("declined".to_owned(), 1)]);
+    assert_eq!(announced, 1);
+    assert_money_conserved(&db, &standin).await
+}
+
+/// A decline replays byte for byte under the same request.
+#[tokio::test]
+async fn a_decline_is_stored_and_replayed_never_asked_again() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let base = instance(&db.store, &provider, Duration::from_secs(5), Duration::from_secs(30)).await?;
+    let body = card("pm_card_declined", "5.00");
+    let first = charge(&base, "provider-decline-2", &body).await?;
+    let second = charge(&base, "provider-decline-2", &body).await?;
+    assert_eq!((first.status, second.status, second.replayed), (402, 402, true));
+    assert_eq!(first.raw, second.raw);
+    assert_eq!((standin.calls.load(SeqCst), standin.charges.load(SeqCst)), (1, 0));
+    Ok(())
+}
+
+/// Every answer whose outcome is unknown — a `500` before charging, the provider's own `409` in progress, a
+/// `429`, an answer later than the call's bound (after charging) — is `503 outcome-unknown`, leaves the
+/// payment pending, and the client's immediate retry resumes under the same downstream key: one charge at
+/// the provider per client key, one payment, one announcement.
+#[tokio::test]
+async fn unknown_outcomes_are_resumed_by_the_retry_with_one_charge() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let base = instance(&db.store, &provider, Duration::from_millis(400), Duration::from_secs(30)).await?;
+    let cases: [(&str, u16, u64); 4] = [("500", 500, 0), ("409", 409, 0), ("429", 429, 0), ("slow", 0, 800)];
+    for (i, (name, fail, delay)) in cases.into_iter().enumerate() {
+        let key = format!("provider-unknown-{name}");
+        let body = card("pm_card_visa", "7.00");
+        if fail > 0 {
+            standin.fail_status.store(fail, SeqCst);
+            standin.failures.store(1, SeqCst);
+        }
+        standin.delay_ms.store(delay, SeqCst);
+        let unknown = charge(&base, &key, &body).await?;
+        assert_eq!(unknown.status, 503, "{name}: {}", unknown.body);
+        assert_eq!(unknown.body["type"], "urn:idem:problem:outcome-unknown", "{name}");
+        let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM payment WHERE status = 'pending'")
+            .fetch_one(db.pool())
+            .await?;
+        assert_eq!(pending, 1, "{name}: the payment waits, pending");
+        standin.delay_ms.store(0, SeqCst);
+        let retried = charge(&base, &key, &body).await?;
+        assert_eq!(retried.status, 201, "{name}: {}", retried.body);
+        assert_eq!(retried.body["status"], "captured");
+        let replay = charge(&base, &key, &body).await?;
+        assert_eq!((replay.replayed, &replay.raw), (true, &retried.raw), "{name}");
+        assert_eq!(standin.charges.load(SeqCst), i + 1, "{name}: one charge per client key");
+    }
+    let (statuses, announced) = effects(&db).await?;
+    assert_eq!(statuses, vec![("captured".to_owned(), 4)]);
+    assert_eq!(announced, 4);
+    assert_money_conserved(&db, &standin).await
+}
+
+/// The provider unreachable (connection refused) on one instance, then reachable from another instance on
+/// the same database: the retry there resumes the pending payment and charges once; two instances racing on
+/// one key make one call (the other is told the request is in flight).
+#[tokio::test]
+async fn a_refused_connection_then_another_instance_and_a_race_charge_once() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        format!("http://{}", listener.local_addr()?)
+    }; // dropped: nothing listens there
+    let down = instance(&db.store, &closed, Duration::from_millis(500), Duration::from_secs(30)).await?;
+    let up = instance(&db.store, &provider, Duration::from_secs(5), Duration::from_secs(30)).await?;
+    let body = card("pm_card_visa", "3.50");
+    let refused = charge(&down, "provider-refused-1", &body).await?;
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert_eq!(standin.calls.load(SeqCst), 0);
+    let resumed = charge(&up, "provider-refused-1", &body).await?;
+    assert_eq!(resumed.status, 201, "{}", resumed.body);
+
+    standin.delay_ms.store(600, SeqCst);
+    let race = card("pm_card_visa", "9.99");
+    let up_too = instance(&db.store, &provider, Duration::from_secs(5), Duration::from_secs(30)).await?;
+    let (a, b) = tokio::join!(charge(&up, "provider-race-1", &race), charge(&up_too, "provider-race-1", &race));
+    let mut statuses = [a?.status, b?.status];
+    statuses.sort_unstable();
+    assert_eq!(statuses, [201, 409], "one executes, the other is in flight");
+    standin.delay_ms.store(0, SeqCst);
+    let after = charge(&down, "provider-race-1", &race).await?;
+    assert_eq!((after.status, after.replayed), (201, true));
+    assert_eq!(standin.charges.load(SeqCst), 2, "one charge per client key");
+    assert_money_conserved(&db, &standin).await
+}
