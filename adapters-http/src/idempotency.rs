@@ -66,7 +66,7 @@ use axum::response::{IntoResponse, Response};
 use idem_domain::phases::{self, Claim, InProgress, Lease};
 use idem_domain::{Decision, Fingerprint, IdempotencyKey, TtlPolicy, decide};
 use idem_ports::{
-    ClaimOutcome, Clock, IdempotencyClaim, PhaseHold, StoreError, StoredResponse, TransactionManager, UnitOfWork,
+    ClaimOutcome, Clock, IdempotencyClaim, PhaseHold, StoreError, StoredRequest, StoredResponse, TransactionManager, UnitOfWork,
 };
 use tokio::sync::{Mutex, OwnedMutexGuard, watch};
 use tower::{Layer, Service};
@@ -369,6 +369,8 @@ struct PhaseContext {
     resume_at: Option<String>,
     /// The handler committed a first phase.
     entered: std::sync::atomic::AtomicBool,
+    /// The request, as the completer would re-send it.
+    request: StoredRequest,
 }
 
 impl fmt::Debug for UnitOfWorkHandle {
@@ -456,7 +458,9 @@ impl Tx {
         };
         let ctx = self.1.clone().ok_or_else(|| internal("Tx::foreign_call needs a request with an Idempotency-Key"))?;
         let mut uow = self.0.take().ok_or_else(|| internal("Tx::foreign_call twice without Tx::resume"))?;
-        match uow.idempotency().hold(&ctx.scope, &ctx.key, &ctx.hold(step)).await {
+        // the first hold keeps the request, so the completer can finish it if this process dies
+        let first_hold = PhaseHold { request: Some(ctx.request.clone()), ..ctx.hold(step) };
+        match uow.idempotency().hold(&ctx.scope, &ctx.key, &first_hold).await {
             Ok(true) => {}
             Ok(false) => return Err(taken_over()),
             Err(e) => return Err(phase_store_problem(&e)),
@@ -502,7 +506,7 @@ impl Tx {
         let step = call.step.clone();
         drop(call);
         if let Some(ctx) = self.1.clone() {
-            let hold = PhaseHold { attempt: ctx.attempt, lease_until: ctx.clock.now(), recovery_point: step };
+            let hold = PhaseHold { attempt: ctx.attempt, lease_until: ctx.clock.now(), recovery_point: step, request: None };
             let released = async {
                 let mut uow = ctx.tm.begin().await?;
                 uow.idempotency().hold(&ctx.scope, &ctx.key, &hold).await?;
@@ -545,7 +549,7 @@ impl PhaseContext {
     fn hold(&self, step: &str) -> PhaseHold {
         let now = self.clock.now();
         let lease = Lease { attempt: self.attempt, until: now }.renewed(now, self.lease);
-        PhaseHold { attempt: lease.attempt, lease_until: lease.until, recovery_point: step.to_owned() }
+        PhaseHold { attempt: lease.attempt, lease_until: lease.until, recovery_point: step.to_owned(), request: None }
     }
 }
 
@@ -849,6 +853,16 @@ where
             attempt: *attempt,
             resume_at: resume_at.clone(),
             entered: std::sync::atomic::AtomicBool::new(false),
+            request: StoredRequest {
+                method: parts.method.as_str().to_owned(),
+                uri: parts.uri.path_and_query().map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned()),
+                content_type: parts
+                    .headers
+                    .get(header::CONTENT_TYPE)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned),
+                body: body.to_vec(),
+            },
         })
     });
     let claim = claim.map(|(c, ..)| c);

@@ -8,6 +8,7 @@
 pub mod api;
 pub mod auth;
 pub mod client;
+pub mod completer;
 pub mod idempotency;
 pub mod metrics;
 pub mod openapi;
@@ -31,6 +32,13 @@ pub use idempotency::{
 };
 pub use metrics::HttpMetrics;
 pub use problem::{CommitRefusal, PROBLEM_JSON, Problem, ProblemJson, ProblemKind};
+
+/// The principal of a re-sent request of the payments API ([`completer::Completer`]): the merchant of its scope.
+pub fn merchant_principal() -> completer::PrincipalFn {
+    Arc::new(|scope, extensions| {
+        extensions.insert(Merchant(scope.into()));
+    })
+}
 
 /// The scope function of the payments API: the authenticated merchant.
 pub fn merchant_scope() -> ScopeFn {

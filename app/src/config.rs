@@ -86,6 +86,10 @@ pub struct ProviderArgs {
     /// did not come back, and drives them to completion.
     #[arg(long, env = "COMPLETER_INTERVAL", default_value = "10s", value_parser = parse_duration)]
     pub completer_interval: Duration,
+    /// How long after its claim a held request may still be re-sent to the other side: its idempotency
+    /// window (24 h at Stripe) less a margin. Past it the completer parks the request for an operator.
+    #[arg(long, env = "COMPLETER_WINDOW", default_value = "23h", value_parser = parse_duration)]
+    pub completer_window: Duration,
 }
 
 impl ProviderArgs {
@@ -109,6 +113,9 @@ impl ProviderArgs {
         }
         if self.completer_interval < Duration::from_millis(100) {
             return Err("COMPLETER_INTERVAL must be at least 100ms".into());
+        }
+        if !(Duration::from_secs(60)..=Duration::from_secs(7 * 24 * 3600)).contains(&self.completer_window) {
+            return Err("COMPLETER_WINDOW must be between 1m and 7d (the other side's idempotency window)".into());
         }
         Ok(())
     }

@@ -68,6 +68,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut registry = Registry::default();
 
     let api = api(&args, &stores.api, &checked, &mut registry)?;
+    let completer = completer(&args, &stores.api, &api, &mut registry);
     let runner = order_consumer(&args, &cluster, &stores.background, &checked, &mut registry);
     let cleaner = cleaner(&args, &stores.background, &mut registry);
     let cleanup_stats = cleaner.stats();
@@ -87,6 +88,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .context("LISTEN for outbox notifications")?;
 
+    let token = shutdown.clone();
+    group.spawn("completer", async move {
+        completer.run_until(token).await;
+        Ok(())
+    });
     let ops = operations(&stores.background, &cluster, registry, cleanup_stats)?;
     listeners.serve(&mut group, &args, api, ops, &shutdown)?;
     let result = group.wait(args.shutdown_timeout).await;
@@ -204,6 +210,28 @@ fn api(args: &ServeArgs, store: &PgStore, checked: &Checked, registry: &mut Regi
     let api_keys = args.api_keys.clone().with_concurrency_limit(args.merchant_concurrency as usize);
     api_keys.register(registry);
     Ok(idem_http::router_with_metrics(state, Arc::new(api_keys), layer, http_metrics))
+}
+
+/// The completer of held requests, re-sending through the API's own router (its idempotency layer and
+/// handlers), on the API's pool: what it does is what a client's retry would do.
+fn completer(args: &ServeArgs, store: &PgStore, api: &axum::Router, registry: &mut Registry) -> idem_http::completer::Completer {
+    let settings = idem_http::completer::CompleterSettings {
+        interval: args.provider.completer_interval,
+        // a client has one lease to come back before the completer takes its request over
+        grace: args.idempotency_lease,
+        window: args.provider.completer_window,
+        request_timeout: args.http_request_timeout,
+        ..Default::default()
+    };
+    let completer = idem_http::completer::Completer::new(
+        Arc::new(store.clone()),
+        Arc::new(SystemClock),
+        api.clone(),
+        idem_http::merchant_principal(),
+        settings,
+    );
+    completer.stats().register(registry);
+    completer
 }
 
 /// The payment provider of `PAYMENT_PROVIDER_URL`, if one is configured.

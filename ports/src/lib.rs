@@ -21,7 +21,7 @@ pub use inbound::{BatchError, EventHandler, HandlerError};
 pub use provider::{Charge, ChargeRequest, PaymentProvider, ProviderError};
 pub use records::{
     ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyState, InboundEvent, NewOutboxMessage, NewPayment,
-    NewPendingPayment, NewRefund, OrderVersion, OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent,
+    LapsedRecord, NewPendingPayment, NewRefund, OrderVersion, OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold, StoredRequest, ProcessedEvent,
     RefundRecord, SagaStepClaim, StoredResponse,
 };
 pub use repositories::{

@@ -213,6 +213,38 @@ pub struct PhaseHold {
     pub lease_until: DateTime<Utc>,
     /// The last recovery point reached.
     pub recovery_point: String,
+    /// The request that started it, kept with the first hold so the completer can drive it to completion
+    /// (`None`: keep what is stored — a renewal, a later recovery point).
+    pub request: Option<StoredRequest>,
+}
+
+/// A request as the completer re-sends it: what its idempotency fingerprint was computed from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredRequest {
+    /// `POST`, …
+    pub method: String,
+    /// Path and query.
+    pub uri: String,
+    /// Its `Content-Type`, if any.
+    pub content_type: Option<String>,
+    /// Its body, byte for byte.
+    pub body: Vec<u8>,
+}
+
+/// A record held between phases whose lease lapsed long enough ago that its client is taken to have gone
+/// away: the completer's to finish.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LapsedRecord {
+    /// Whose key.
+    pub scope: String,
+    /// The key.
+    pub key: String,
+    /// The request to re-send (`None`: none was kept; the record can only be parked).
+    pub request: Option<StoredRequest>,
+    /// When the key was claimed (the other side's idempotency window counts from about then).
+    pub created_at: DateTime<Utc>,
+    /// How often the completer ran it already.
+    pub completer_runs: u32,
 }
 
 /// A claim on an idempotency key: the row written, in flight, inside the caller's transaction.

@@ -7,7 +7,7 @@ use uuid::Uuid;
 use crate::error::StoreError;
 use crate::records::{
     ClaimOutcome, IdempotencyClaim, IdempotencyRecord, NewOutboxMessage, NewPayment, NewRefund, OutboxRecord,
-    NewPendingPayment, PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent, RefundRecord, SagaStepClaim,
+    LapsedRecord, NewPendingPayment, PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent, RefundRecord, SagaStepClaim,
     StoredResponse,
 };
 
@@ -246,6 +246,33 @@ pub trait IdempotencyRepository: Send {
     /// late original whose record was taken over.
     async fn owns(&mut self, scope: &str, key: &str, attempt: u32) -> Result<bool, StoreError> {
         let _ = (scope, key, attempt);
+        Err(StoreError::Other("this store does not hold records between phases".into()))
+    }
+
+    /// Records held between phases, not parked, whose lease lapsed at least `grace` × 2^runs (at most
+    /// `max_backoff`) before `now`: their client is taken to have gone away. At most `limit`, oldest first,
+    /// skipping rows another unit has locked.
+    async fn lapsed(
+        &mut self,
+        now: DateTime<Utc>,
+        grace: Duration,
+        max_backoff: Duration,
+        limit: i64,
+    ) -> Result<Vec<LapsedRecord>, StoreError> {
+        let _ = (now, grace, max_backoff, limit);
+        Err(StoreError::Other("this store does not hold records between phases".into()))
+    }
+
+    /// Counts one run of the completer on a held record (its backoff grows).
+    async fn completer_ran(&mut self, scope: &str, key: &str) -> Result<(), StoreError> {
+        let _ = (scope, key);
+        Err(StoreError::Other("this store does not hold records between phases".into()))
+    }
+
+    /// Parks a record held between phases for an operator (`reason` says why): it is no longer taken over
+    /// by a retry or the completer, and never cleaned up. False when it is not held (completed meanwhile).
+    async fn park(&mut self, scope: &str, key: &str, reason: &str, now: DateTime<Utc>) -> Result<bool, StoreError> {
+        let _ = (scope, key, reason, now);
         Err(StoreError::Other("this store does not hold records between phases".into()))
     }
 }

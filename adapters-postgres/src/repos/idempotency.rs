@@ -5,8 +5,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use idem_ports::{
-    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyRepository, IdempotencyState, PhaseHold, StoreError,
-    StoredResponse,
+    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyRepository, IdempotencyState, LapsedRecord, PhaseHold,
+    StoreError, StoredRequest, StoredResponse,
 };
 
 use crate::PgUnitOfWork;
@@ -69,7 +69,11 @@ impl IdempotencyRepository for PgUnitOfWork {
             i16::try_from(response.status_code).map_err(|_| StoreError::Other("status code out of range".into()))?;
         let done = sqlx::query!(
             r#"UPDATE idempotency_record
-               SET state = 'completed', status_code = $3, response_headers = $4, response_body = $5
+               SET state = 'completed', status_code = $3, response_headers = $4, response_body = $5,
+                   -- held between phases: its retention counts from completion; the request is not needed
+                   expires_at = CASE WHEN lease_until IS NULL THEN expires_at
+                                     ELSE expires_at + greatest(now() - created_at, interval '0') END,
+                   request_body = NULL, parked_at = NULL
                WHERE scope = $1 AND key = $2"#,
             scope,
             key,
@@ -91,15 +95,23 @@ impl IdempotencyRepository for PgUnitOfWork {
     async fn hold(&mut self, scope: &str, key: &str, hold: &PhaseHold) -> Result<bool, StoreError> {
         let attempt = attempt_column(hold.attempt)?;
         // the first hold of a claim (attempt 0 in the row) or a renewal by the attempt that holds it
+        let request = hold.request.as_ref();
         let held = sqlx::query!(
-            r#"UPDATE idempotency_record SET attempt = $3, lease_until = $4, recovery_point = $5
+            r#"UPDATE idempotency_record SET attempt = $3, lease_until = $4, recovery_point = $5,
+                      request_method = coalesce($6, request_method), request_uri = coalesce($7, request_uri),
+                      request_content_type = CASE WHEN $6::text IS NULL THEN request_content_type ELSE $8 END,
+                      request_body = coalesce($9, request_body)
                WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt IN ($3, $3 - 1)
-                 AND (attempt = $3 OR lease_until IS NULL)"#,
+                 AND (attempt = $3 OR lease_until IS NULL) AND parked_at IS NULL"#,
             scope,
             key,
             attempt,
             hold.lease_until,
             hold.recovery_point,
+            request.map(|r| r.method.as_str()),
+            request.map(|r| r.uri.as_str()),
+            request.and_then(|r| r.content_type.as_deref()),
+            request.map(|r| r.body.as_slice()),
         )
         .execute(self.db())
         .await
@@ -118,7 +130,8 @@ impl IdempotencyRepository for PgUnitOfWork {
         let attempt = attempt_column(attempt)?;
         let taken = sqlx::query!(
             r#"UPDATE idempotency_record SET attempt = attempt + 1, lease_until = $4
-               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt = $3 AND lease_until <= $5"#,
+               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt = $3 AND lease_until <= $5
+                 AND parked_at IS NULL"#,
             scope,
             key,
             attempt,
@@ -144,6 +157,74 @@ impl IdempotencyRepository for PgUnitOfWork {
         .await
         .map_err(|e| self.failed(e))?;
         Ok(owned.is_some())
+    }
+
+    async fn lapsed(
+        &mut self,
+        now: DateTime<Utc>,
+        grace: Duration,
+        max_backoff: Duration,
+        limit: i64,
+    ) -> Result<Vec<LapsedRecord>, StoreError> {
+        let rows = sqlx::query!(
+            r#"SELECT scope, key, request_method, request_uri, request_content_type, request_body, created_at,
+                      completer_runs
+               FROM idempotency_record
+               WHERE state = 'in_flight' AND lease_until IS NOT NULL AND parked_at IS NULL
+                 AND lease_until <= $1::timestamptz - make_interval(secs => least($2::float8 * power(2, least(completer_runs, 30)), $3::float8))
+               ORDER BY created_at
+               LIMIT $4
+               FOR UPDATE SKIP LOCKED"#,
+            now,
+            grace.as_secs_f64(),
+            max_backoff.as_secs_f64(),
+            limit,
+        )
+        .fetch_all(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        Ok(rows
+            .into_iter()
+            .map(|r| LapsedRecord {
+                request: match (r.request_method, r.request_uri, r.request_body) {
+                    (Some(method), Some(uri), Some(body)) => {
+                        Some(StoredRequest { method, uri, content_type: r.request_content_type, body })
+                    }
+                    _ => None,
+                },
+                scope: r.scope,
+                key: r.key,
+                created_at: r.created_at,
+                completer_runs: u32::try_from(r.completer_runs).unwrap_or_default(),
+            })
+            .collect())
+    }
+
+    async fn completer_ran(&mut self, scope: &str, key: &str) -> Result<(), StoreError> {
+        sqlx::query!(
+            "UPDATE idempotency_record SET completer_runs = completer_runs + 1 WHERE scope = $1 AND key = $2",
+            scope,
+            key,
+        )
+        .execute(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        Ok(())
+    }
+
+    async fn park(&mut self, scope: &str, key: &str, reason: &str, now: DateTime<Utc>) -> Result<bool, StoreError> {
+        let parked = sqlx::query!(
+            r#"UPDATE idempotency_record SET parked_at = $3, parked_reason = $4
+               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND lease_until IS NOT NULL"#,
+            scope,
+            key,
+            now,
+            reason,
+        )
+        .execute(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        Ok(parked.rows_affected() == 1)
     }
 }
 
@@ -215,6 +296,7 @@ impl RecordRow {
                     attempt: u32::try_from(self.attempt).unwrap_or_default(),
                     lease_until,
                     recovery_point,
+                    request: None,
                 }),
                 _ => None,
             },

@@ -12,4 +12,5 @@
 #![allow(clippy::print_stdout, clippy::unwrap_used)]
 
 mod harness;
+mod phases;
 mod scenarios;

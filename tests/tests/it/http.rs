@@ -1484,7 +1484,12 @@ async fn a_late_original_is_fenced_out_after_a_takeover() -> anyhow::Result<()> 
         created_at: now,
         expires_at: now + chrono::Duration::hours(48),
     };
-    let hold = |attempt, lease_until| idem_ports::PhaseHold { attempt, lease_until, recovery_point: "charge".into() };
+    let hold = |attempt, lease_until| idem_ports::PhaseHold {
+        attempt,
+        lease_until,
+        recovery_point: "charge".into(),
+        request: None,
+    };
     let mut uow = db.store.begin().await?;
     assert_eq!(uow.idempotency().claim(&claim, now, Duration::from_secs(1)).await?, idem_ports::ClaimOutcome::Claimed);
     assert!(uow.idempotency().hold("m", "fenced", &hold(1, now - chrono::Duration::seconds(1))).await?);
