@@ -316,7 +316,10 @@ async fn charge_through_provider(
 ) -> Result<Response, ApiError> {
     for recorded in ["provider", "external_payment_id"] {
         if map.contains_key(recorded) {
-            return Err(invalid(recorded, "a charge through the provider (with payment_method) names no provider payment: leave it out"));
+            return Err(invalid(
+                recorded,
+                "a charge through the provider (with payment_method) names no provider payment: leave it out",
+            ));
         }
     }
     let Some(provider) = state.provider.clone() else {
@@ -368,8 +371,9 @@ async fn charge_through_provider(
         Err(ProviderError::Refused { code }) => {
             tracing::info!(payment = %payment_id, code = %code.escape_debug(), "the provider refused the charge");
             tx.resume(call).await?;
-            let declined =
-                decline_charge((state.payments_of)(tx.uow())?, state.env(), payment_id).await.map_err(provider_charge_problem)?;
+            let declined = decline_charge((state.payments_of)(tx.uow())?, state.env(), payment_id)
+                .await
+                .map_err(provider_charge_problem)?;
             match declined.status {
                 PaymentStatus::Declined => Err(card_declined(&declined)),
                 // the webhook captured it meanwhile: the provider charged after all

@@ -147,7 +147,8 @@ fn unauthorized(detail: &str) -> Response {
 /// Middleware: authenticates `Authorization: Bearer <key>` and adds the [`Merchant`] extension.
 pub async fn authenticate(State(keys): State<Arc<ApiKeys>>, mut req: Request, next: Next) -> Response {
     // the completer's in-process re-send carries its merchant already (an extension no client can set)
-    if req.extensions().get::<crate::completer::Completing>().is_some() && req.extensions().get::<Merchant>().is_some() {
+    if req.extensions().get::<crate::completer::Completing>().is_some() && req.extensions().get::<Merchant>().is_some()
+    {
         return next.run(req).await;
     }
     let mut values = req.headers().get_all(header::AUTHORIZATION).iter();

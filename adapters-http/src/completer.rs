@@ -80,9 +80,21 @@ pub struct CompleterStats {
 impl CompleterStats {
     /// Registers the counters (`idem_completer_*`).
     pub fn register(self: &Arc<Self>, registry: &mut prometheus_client::registry::Registry) {
-        registry.register("idem_completer_completed", "Held requests the completer drove to a stored answer", self.completed.clone());
-        registry.register("idem_completer_unknown", "Completer runs whose outcome stayed unknown", self.unknown.clone());
-        registry.register("idem_completer_parked", "Held requests the completer parked for an operator", self.parked.clone());
+        registry.register(
+            "idem_completer_completed",
+            "Held requests the completer drove to a stored answer",
+            self.completed.clone(),
+        );
+        registry.register(
+            "idem_completer_unknown",
+            "Completer runs whose outcome stayed unknown",
+            self.unknown.clone(),
+        );
+        registry.register(
+            "idem_completer_parked",
+            "Held requests the completer parked for an operator",
+            self.parked.clone(),
+        );
         registry.register("idem_completer_failed_rounds", "Completer rounds that failed", self.failed_rounds.clone());
     }
 }
@@ -211,7 +223,8 @@ impl Completer {
                 return false;
             }
         };
-        let done = status.is_success() || (status.is_client_error() && !matches!(status.as_u16(), 408 | 409 | 425 | 429));
+        let done =
+            status.is_success() || (status.is_client_error() && !matches!(status.as_u16(), 408 | 409 | 425 | 429));
         tracing::info!(scope = %record.scope, key = %record.key.escape_debug(), status = status.as_u16(), done, completer_runs = record.completer_runs + 1, "completer re-sent a held request");
         done
     }

@@ -66,7 +66,8 @@ use axum::response::{IntoResponse, Response};
 use idem_domain::phases::{self, Claim, InProgress, Lease};
 use idem_domain::{Decision, Fingerprint, IdempotencyKey, TtlPolicy, decide};
 use idem_ports::{
-    ClaimOutcome, Clock, IdempotencyClaim, PhaseHold, StoreError, StoredRequest, StoredResponse, TransactionManager, UnitOfWork,
+    ClaimOutcome, Clock, IdempotencyClaim, PhaseHold, StoreError, StoredRequest, StoredResponse, TransactionManager,
+    UnitOfWork,
 };
 use tokio::sync::{Mutex, OwnedMutexGuard, watch};
 use tower::{Layer, Service};
@@ -506,7 +507,8 @@ impl Tx {
         let step = call.step.clone();
         drop(call);
         if let Some(ctx) = self.1.clone() {
-            let hold = PhaseHold { attempt: ctx.attempt, lease_until: ctx.clock.now(), recovery_point: step, request: None };
+            let hold =
+                PhaseHold { attempt: ctx.attempt, lease_until: ctx.clock.now(), recovery_point: step, request: None };
             let released = async {
                 let mut uow = ctx.tm.begin().await?;
                 uow.idempotency().hold(&ctx.scope, &ctx.key, &hold).await?;
@@ -856,11 +858,7 @@ where
             request: StoredRequest {
                 method: parts.method.as_str().to_owned(),
                 uri: parts.uri.path_and_query().map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned()),
-                content_type: parts
-                    .headers
-                    .get(header::CONTENT_TYPE)
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::to_owned),
+                content_type: parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_owned),
                 body: body.to_vec(),
             },
         })

@@ -58,13 +58,16 @@ pub enum ProblemKind {
     CardDeclined,
     /// 400/401: a webhook whose signature is missing, wrong or too old.
     WebhookSignatureInvalid,
+    /// 409: an operator ended a request parked between its phases (`idem keys abandon`), after checking
+    /// the other side; replayed to every retry.
+    RequestAbandoned,
     /// 500.
     Internal,
 }
 
 impl ProblemKind {
     /// Every kind (the API document lists their type URIs).
-    pub const ALL: [Self; 24] = [
+    pub const ALL: [Self; 25] = [
         Self::Unauthorized,
         Self::IdempotencyKeyMissing,
         Self::IdempotencyKeyInvalid,
@@ -88,6 +91,7 @@ impl ProblemKind {
         Self::AmountFinerThanCurrency,
         Self::CardDeclined,
         Self::WebhookSignatureInvalid,
+        Self::RequestAbandoned,
         Self::Internal,
     ];
 
@@ -117,11 +121,13 @@ impl ProblemKind {
             Self::AmountFinerThanCurrency => "urn:idem:problem:amount-finer-than-currency",
             Self::CardDeclined => "urn:idem:problem:card-declined",
             Self::WebhookSignatureInvalid => "urn:idem:problem:webhook-signature-invalid",
+            Self::RequestAbandoned => "urn:idem:problem:request-abandoned",
             Self::Internal => "urn:idem:problem:internal",
         }
     }
 
-    fn title(self) -> &'static str {
+    /// The human-readable summary (`title`).
+    pub fn title(self) -> &'static str {
         match self {
             Self::Unauthorized => "Missing or invalid API key",
             Self::IdempotencyKeyMissing => "Idempotency-Key header is required",
@@ -146,6 +152,7 @@ impl ProblemKind {
             Self::AmountFinerThanCurrency => "Amount is finer than the payment's currency allows",
             Self::CardDeclined => "The payment provider declined the charge",
             Self::WebhookSignatureInvalid => "Webhook signature is missing, invalid or too old",
+            Self::RequestAbandoned => "The request was abandoned by an operator",
             Self::Internal => "Internal error",
         }
     }

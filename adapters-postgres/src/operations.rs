@@ -26,6 +26,8 @@ pub struct Health {
     pub lapsed_records: i64,
     /// Age of the oldest held record (0 when none).
     pub oldest_held_seconds: f64,
+    /// Of them, those the completer parked for an operator (`idem keys held --parked`).
+    pub parked_records: i64,
 }
 
 /// An outbox row as an operator sees it (no payload).
@@ -83,6 +85,31 @@ pub struct KeyRecord {
     pub lease_until: Option<DateTime<Utc>>,
     /// Where a taken-over attempt resumes.
     pub recovery_point: Option<String>,
+}
+
+/// A record held between the phases of a foreign call, as an operator sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeldRecord {
+    /// The merchant.
+    pub scope: String,
+    /// The key.
+    pub key: String,
+    /// The attempt holding it.
+    pub attempt: i32,
+    /// Until when that attempt's lease holds.
+    pub lease_until: DateTime<Utc>,
+    /// Where a resumed attempt starts.
+    pub recovery_point: String,
+    /// When the key was claimed.
+    pub created_at: DateTime<Utc>,
+    /// How often the completer re-sent it.
+    pub completer_runs: i32,
+    /// When the completer parked it for an operator.
+    pub parked_at: Option<DateTime<Utc>>,
+    /// Why.
+    pub parked_reason: Option<String>,
+    /// The request's path.
+    pub request_uri: Option<String>,
 }
 
 /// One re-driven dead letter.
@@ -172,7 +199,9 @@ impl PgStore {
                  (SELECT count(*) FROM idempotency_record
                    WHERE state = 'in_flight' AND lease_until IS NOT NULL AND lease_until <= now()) AS "lapsed!",
                  (SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM idempotency_record
-                   WHERE state = 'in_flight' AND lease_until IS NOT NULL) AS "oldest_held!""#
+                   WHERE state = 'in_flight' AND lease_until IS NOT NULL) AS "oldest_held!",
+                 (SELECT count(*) FROM idempotency_record
+                   WHERE state = 'in_flight' AND lease_until IS NOT NULL AND parked_at IS NOT NULL) AS "parked!""#
         )
         .fetch_one(&mut *self.small_tx().await.map_err(map_sqlx_error)?)
         .await
@@ -185,6 +214,7 @@ impl PgStore {
             held_records: row.held,
             lapsed_records: row.lapsed,
             oldest_held_seconds: row.oldest_held,
+            parked_records: row.parked,
         })
     }
 
@@ -258,6 +288,70 @@ impl PgStore {
         .fetch_optional(&mut *self.small_tx().await.map_err(map_sqlx_error)?)
         .await
         .map_err(map_sqlx_error)
+    }
+
+    /// Records held between the phases of a foreign call (only the parked ones with `parked_only`), oldest
+    /// first, at most `limit`.
+    pub async fn held_records(&self, parked_only: bool, limit: i64) -> Result<Vec<HeldRecord>, StoreError> {
+        sqlx::query_as!(
+            HeldRecord,
+            r#"SELECT scope, key, attempt, lease_until AS "lease_until!", recovery_point AS "recovery_point!",
+                      created_at, completer_runs, parked_at, parked_reason, request_uri
+               FROM idempotency_record
+               WHERE state = 'in_flight' AND lease_until IS NOT NULL AND recovery_point IS NOT NULL
+                 AND (NOT $1 OR parked_at IS NOT NULL)
+               ORDER BY created_at LIMIT $2"#,
+            parked_only,
+            limit,
+        )
+        .fetch_all(&mut *self.small_tx().await.map_err(map_sqlx_error)?)
+        .await
+        .map_err(map_sqlx_error)
+    }
+
+    /// Puts a parked (or held) record back in the completer's hands: unparked, its backoff reset, its lease
+    /// lapsed. False when it is not held.
+    pub async fn resume_held(&self, scope: &str, key: &str) -> Result<bool, StoreError> {
+        let mut tx = self.small_tx().await.map_err(map_sqlx_error)?;
+        let done = sqlx::query!(
+            r#"UPDATE idempotency_record SET parked_at = NULL, parked_reason = NULL, completer_runs = 0,
+                      lease_until = least(lease_until, now())
+               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND lease_until IS NOT NULL"#,
+            scope,
+            key,
+        )
+        .execute(&mut *tx)
+        .await
+        .map_err(map_sqlx_error)?;
+        tx.commit().await.map_err(map_sqlx_error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Ends a parked record with a final answer an operator decided after checking the other side (nothing
+    /// happened there, or it was compensated): `status` and the problem+json `body` are stored and replayed
+    /// to every retry; the key is never executed again. Only a parked record can be abandoned (a held one
+    /// may still be running). False when it is not parked.
+    pub async fn abandon_parked(&self, scope: &str, key: &str, status: u16, body: &[u8]) -> Result<bool, StoreError> {
+        let status = i16::try_from(status).map_err(|_| StoreError::Other("status out of range".into()))?;
+        let headers = serde_json::json!([["content-type", "application/problem+json"]]);
+        let mut tx = self.small_tx().await.map_err(map_sqlx_error)?;
+        let done = sqlx::query!(
+            r#"UPDATE idempotency_record
+               SET state = 'completed', status_code = $3, response_headers = $4, response_body = $5,
+                   expires_at = expires_at + greatest(now() - created_at, interval '0'),
+                   request_body = NULL, parked_at = NULL
+               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND parked_at IS NOT NULL"#,
+            scope,
+            key,
+            status,
+            headers,
+            body,
+        )
+        .execute(&mut *tx)
+        .await
+        .map_err(map_sqlx_error)?;
+        tx.commit().await.map_err(map_sqlx_error)?;
+        Ok(done.rows_affected() == 1)
     }
 
     /// The recorded value of each setting in `idem_setting` (see the migration): `(value, previous,

@@ -50,6 +50,7 @@ pub struct Gauges {
     pub held_records: Gauge,
     pub lapsed_records: Gauge,
     pub oldest_held: Gauge<f64, AtomicU64>,
+    pub parked_records: Gauge,
 }
 
 impl Gauges {
@@ -84,6 +85,11 @@ impl Gauges {
             "idem_idempotency_oldest_held_seconds",
             "Age of the oldest record held between phases (0 when none)",
             self.oldest_held.clone(),
+        );
+        registry.register(
+            "idem_idempotency_parked_records",
+            "Held records the completer parked for an operator (idem keys held --parked): never finished on their own",
+            self.parked_records.clone(),
         );
         registry.register("idem_broker_up", "1 when the Kafka broker answered the last probe", self.broker_up.clone());
         registry.register("idem_database_up", "1 when the database answered the last probe", self.database_up.clone());
@@ -151,6 +157,7 @@ impl Ops {
                 g.held_records.set(health.held_records);
                 g.lapsed_records.set(health.lapsed_records);
                 g.oldest_held.set(health.oldest_held_seconds);
+                g.parked_records.set(health.parked_records);
                 refresh_dead_tuples(&self.store, &self.cleanup).await
             };
             let ok = matches!(tokio::time::timeout(Duration::from_secs(5), database).await, Ok(Ok(())));

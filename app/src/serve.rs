@@ -214,7 +214,12 @@ fn api(args: &ServeArgs, store: &PgStore, checked: &Checked, registry: &mut Regi
 
 /// The completer of held requests, re-sending through the API's own router (its idempotency layer and
 /// handlers), on the API's pool: what it does is what a client's retry would do.
-fn completer(args: &ServeArgs, store: &PgStore, api: &axum::Router, registry: &mut Registry) -> idem_http::completer::Completer {
+fn completer(
+    args: &ServeArgs,
+    store: &PgStore,
+    api: &axum::Router,
+    registry: &mut Registry,
+) -> idem_http::completer::Completer {
     let settings = idem_http::completer::CompleterSettings {
         interval: args.provider.completer_interval,
         // a client has one lease to come back before the completer takes its request over
@@ -241,9 +246,13 @@ fn payment_provider(
     let (Some(url), Some(key)) = (&args.payment_provider_url, &args.payment_provider_api_key) else {
         return Ok(None);
     };
-    let provider =
-        idem_http::provider::HttpPaymentProvider::new(&args.payment_provider_name, url, &key.0, args.payment_provider_timeout)
-            .context("building the payment provider's HTTP client")?;
+    let provider = idem_http::provider::HttpPaymentProvider::new(
+        &args.payment_provider_name,
+        url,
+        &key.0,
+        args.payment_provider_timeout,
+    )
+    .context("building the payment provider's HTTP client")?;
     tracing::info!(name = %args.payment_provider_name, "charges with a payment_method go through the payment provider");
     Ok(Some(Arc::new(provider)))
 }

@@ -20,9 +20,9 @@ pub use error::{PublishError, StoreError};
 pub use inbound::{BatchError, EventHandler, HandlerError};
 pub use provider::{Charge, ChargeRequest, PaymentProvider, ProviderError};
 pub use records::{
-    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyState, InboundEvent, NewOutboxMessage, NewPayment,
-    LapsedRecord, NewPendingPayment, NewRefund, OrderVersion, OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold, StoredRequest, ProcessedEvent,
-    RefundRecord, SagaStepClaim, StoredResponse,
+    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyState, InboundEvent, LapsedRecord, NewOutboxMessage,
+    NewPayment, NewPendingPayment, NewRefund, OrderVersion, OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus,
+    PhaseHold, ProcessedEvent, RefundRecord, SagaStepClaim, StoredRequest, StoredResponse,
 };
 pub use repositories::{
     ConsumerIdentity, IdempotencyRepository, OutboxRepository, OutboxWakeup, PaymentRepository, PaymentUnitOfWork,

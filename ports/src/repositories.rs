@@ -6,9 +6,9 @@ use uuid::Uuid;
 
 use crate::error::StoreError;
 use crate::records::{
-    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, NewOutboxMessage, NewPayment, NewRefund, OutboxRecord,
-    LapsedRecord, NewPendingPayment, PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent, RefundRecord, SagaStepClaim,
-    StoredResponse,
+    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, LapsedRecord, NewOutboxMessage, NewPayment, NewPendingPayment,
+    NewRefund, OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent, RefundRecord,
+    SagaStepClaim, StoredResponse,
 };
 
 /// Begins units of work. One implementation per store; it is a cheap handle, shared by value.

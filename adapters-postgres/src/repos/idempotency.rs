@@ -5,8 +5,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use idem_ports::{
-    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyRepository, IdempotencyState, LapsedRecord, PhaseHold,
-    StoreError, StoredRequest, StoredResponse,
+    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyRepository, IdempotencyState, LapsedRecord,
+    PhaseHold, StoreError, StoredRequest, StoredResponse,
 };
 
 use crate::PgUnitOfWork;

@@ -3,8 +3,8 @@
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use idem_ports::{
-    NewPayment, NewPendingPayment, NewRefund, PaymentInsert, PaymentRecord, PaymentRepository, PaymentStatus, ProjectionRepository,
-    RefundRecord, StoreError,
+    NewPayment, NewPendingPayment, NewRefund, PaymentInsert, PaymentRecord, PaymentRepository, PaymentStatus,
+    ProjectionRepository, RefundRecord, StoreError,
 };
 use rust_decimal::Decimal;
 use uuid::Uuid;

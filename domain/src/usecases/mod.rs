@@ -10,11 +10,11 @@ pub use charge::{
     ChargeCommand, ChargeError, ChargeOutcome, EXTERNAL_PAYMENT_ID_MAX_LEN, InvalidField, PROVIDER_MAX_LEN,
     charge_payment, charge_payments,
 };
+pub use order_events::{OrderEventHandler, REFUND_STEP};
 pub use provider_charge::{
     Capture, PAYMENT_METHOD_MAX_LEN, ProviderChargeCommand, ProviderChargeError, capture_charge, decline_charge,
     minor_units, pending_payment,
 };
-pub use order_events::{OrderEventHandler, REFUND_STEP};
 pub use refund::{REFUND_REASON_MAX_CHARS, RefundCommand, RefundError, refund_payment, refund_reason};
 
 use idem_ports::{Clock, IdGenerator};

@@ -80,7 +80,10 @@ async fn s13_kill9_between_the_phases_completer_or_retry_finishes_with_one_charg
     standin.delay_ms.store(0, SeqCst);
     service.start().await?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while count(&db, "SELECT count(*) FROM idempotency_record WHERE key = 'kill-no-retry-1' AND state = 'completed'").await? == 0 {
+    while count(&db, "SELECT count(*) FROM idempotency_record WHERE key = 'kill-no-retry-1' AND state = 'completed'")
+        .await?
+        == 0
+    {
         assert!(tokio::time::Instant::now() < deadline, "the completer did not finish the request within 30 s");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -110,11 +113,15 @@ async fn s13_kill9_between_the_phases_completer_or_retry_finishes_with_one_charg
     assert_eq!(count(&db, "SELECT count(*) FROM payment WHERE status = 'captured'").await?, 2);
     assert_eq!(count(&db, "SELECT count(*) FROM payment WHERE status <> 'captured'").await?, 0);
     let captured: Vec<(String, i64)> =
-        sqlx::query_as("SELECT external_payment_id, (amount * 100)::bigint FROM payment ORDER BY 1").fetch_all(db.pool()).await?;
-    let mut charged: Vec<(String, i64)> = standin.charges_made().into_iter().map(|(id, minor, _)| (id, minor)).collect();
+        sqlx::query_as("SELECT external_payment_id, (amount * 100)::bigint FROM payment ORDER BY 1")
+            .fetch_all(db.pool())
+            .await?;
+    let mut charged: Vec<(String, i64)> =
+        standin.charges_made().into_iter().map(|(id, minor, _)| (id, minor)).collect();
     charged.sort();
     assert_eq!(captured, charged, "money conserved: captured in idem = charged at the provider");
-    let announced = idem_tests::kafka::read_topic(&brokers, &service.payments_topic, 2, Duration::from_secs(20)).await?;
+    let announced =
+        idem_tests::kafka::read_topic(&brokers, &service.payments_topic, 2, Duration::from_secs(20)).await?;
     // the relay publishes at least once: count distinct events (their event_id), one per payment
     let events: std::collections::BTreeSet<String> = announced.iter().filter_map(|r| r.header("event_id")).collect();
     assert_eq!(events.len(), 2, "one PaymentCaptured per payment");

@@ -8,6 +8,6 @@ mod client;
 mod consumer;
 mod http;
 mod outbox;
-mod postgres;
 mod payments_provider;
+mod postgres;
 mod provider;

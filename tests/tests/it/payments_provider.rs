@@ -19,7 +19,22 @@ const API_KEY: &str = "key_a_0123456789";
 const PROVIDER_KEY: &str = "sk_test_standin_0123";
 
 /// One instance of the service on `store`, charging through the provider at `provider_base`.
-async fn instance(store: &PgStore, provider_base: &str, call_timeout: Duration, lease: Duration) -> anyhow::Result<String> {
+async fn instance(
+    store: &PgStore,
+    provider_base: &str,
+    call_timeout: Duration,
+    lease: Duration,
+) -> anyhow::Result<String> {
+    idem_tests::serve(reference_router(store, provider_base, call_timeout, lease)?).await
+}
+
+/// The payments API on `store` with the provider at `provider_base`.
+fn reference_router(
+    store: &PgStore,
+    provider_base: &str,
+    call_timeout: Duration,
+    lease: Duration,
+) -> anyhow::Result<axum::Router> {
     let provider: Arc<dyn PaymentProvider> =
         Arc::new(HttpPaymentProvider::new("standin", provider_base, PROVIDER_KEY, call_timeout)?);
     let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
@@ -36,7 +51,7 @@ async fn instance(store: &PgStore, provider_base: &str, call_timeout: Duration, 
     config.lease = lease;
     let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), config);
     let keys = Arc::new(ApiKeys::parse(&format!("merchant_a:{API_KEY}")).map_err(anyhow::Error::msg)?);
-    idem_tests::serve(idem_http::router(state, keys, layer)).await
+    Ok(idem_http::router(state, keys, layer))
 }
 
 struct Reply {
@@ -70,7 +85,9 @@ fn card(payment_method: &str, amount: &str) -> Value {
 /// The effects in the database: (payments by status, `PaymentCaptured` announcements).
 async fn effects(db: &TestDb) -> anyhow::Result<(Vec<(String, i64)>, i64)> {
     let statuses: Vec<(String, i64)> =
-        sqlx::query_as("SELECT status, count(*) FROM payment GROUP BY status ORDER BY status").fetch_all(db.pool()).await?;
+        sqlx::query_as("SELECT status, count(*) FROM payment GROUP BY status ORDER BY status")
+            .fetch_all(db.pool())
+            .await?;
     let announced: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE type = 'PaymentCaptured'")
         .fetch_one(db.pool())
         .await?;
@@ -166,9 +183,8 @@ async fn unknown_outcomes_are_resumed_by_the_retry_with_one_charge() -> anyhow::
         let unknown = charge(&base, &key, &body).await?;
         assert_eq!(unknown.status, 503, "{name}: {}", unknown.body);
         assert_eq!(unknown.body["type"], "urn:idem:problem:outcome-unknown", "{name}");
-        let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM payment WHERE status = 'pending'")
-            .fetch_one(db.pool())
-            .await?;
+        let pending: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM payment WHERE status = 'pending'").fetch_one(db.pool()).await?;
         assert_eq!(pending, 1, "{name}: the payment waits, pending");
         standin.delay_ms.store(0, SeqCst);
         let retried = charge(&base, &key, &body).await?;
@@ -215,5 +231,74 @@ async fn a_refused_connection_then_another_instance_and_a_race_charge_once() -> 
     let after = charge(&down, "provider-race-1", &race).await?;
     assert_eq!((after.status, after.replayed), (201, true));
     assert_eq!(standin.charges.load(SeqCst), 2, "one charge per client key");
+    assert_money_conserved(&db, &standin).await
+}
+
+/// The completer and the operator's commands on requests whose client went away after an unknown outcome:
+/// the completer finishes one (one charge, the client's retry replays it); one past the provider's
+/// idempotency window is parked (gauge, listed, a retry cannot take it over), then handed back with
+/// `resume` and finished; one the provider never charged is parked and `abandon`ed (409 replayed to
+/// every retry, nothing charged). Only parked requests can be abandoned.
+#[tokio::test]
+async fn the_completer_finishes_parks_and_the_operator_resumes_or_abandons() -> anyhow::Result<()> {
+    use idem_http::completer::{Completer, CompleterSettings, Round};
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let router = reference_router(&db.store, &provider, Duration::from_secs(2), Duration::from_secs(30))?;
+    let base = idem_tests::serve(router.clone()).await?;
+    let completer = |window: Duration| {
+        let settings = CompleterSettings { grace: Duration::ZERO, window, ..CompleterSettings::default() };
+        Completer::new(
+            Arc::new(db.store.clone()),
+            Arc::new(SystemClock),
+            router.clone(),
+            idem_http::merchant_principal(),
+            settings,
+        )
+    };
+    let unknown = |key: &'static str, body: Value| {
+        let (standin, base) = (standin.clone(), base.clone());
+        async move {
+            standin.fail_status.store(500, SeqCst);
+            standin.failures.store(1, SeqCst);
+            let reply = charge(&base, key, &body).await?;
+            anyhow::ensure!(reply.status == 503, "{}", reply.body);
+            Ok::<_, anyhow::Error>(body)
+        }
+    };
+
+    let finished = unknown("completer-1", card("pm_card_visa", "20.00")).await?;
+    let round = completer(Duration::from_secs(3600)).round().await?;
+    assert_eq!(round, Round { completed: 1, unknown: 0, parked: 0 });
+    let replay = charge(&base, "completer-1", &finished).await?;
+    assert_eq!((replay.status, replay.replayed, replay.body["status"].as_str()), (201, true, Some("captured")));
+    assert_eq!(standin.charges.load(SeqCst), 1);
+
+    let late = unknown("completer-late-1", card("pm_card_visa", "30.00")).await?;
+    let round = completer(Duration::ZERO).round().await?;
+    assert_eq!(round, Round { completed: 0, unknown: 0, parked: 1 }, "past the window: parked, not re-sent");
+    assert_eq!(db.store.health().await?.parked_records, 1);
+    let listed = db.store.held_records(true, 10).await?;
+    assert_eq!(listed.iter().map(|r| r.key.as_str()).collect::<Vec<_>>(), ["completer-late-1"]);
+    let retry = charge(&base, "completer-late-1", &late).await?;
+    assert_eq!(retry.status, 409, "a parked request is not taken over by a retry: {}", retry.body);
+    assert_eq!(standin.charges.load(SeqCst), 1, "nothing re-sent while parked");
+    assert!(db.store.resume_held("merchant_a", "completer-late-1").await?);
+    let round = completer(Duration::from_secs(3600)).round().await?;
+    assert_eq!(round.completed, 1);
+    assert_eq!(charge(&base, "completer-late-1", &late).await?.status, 201);
+
+    let never = unknown("completer-abandon-1", card("pm_card_visa", "40.00")).await?;
+    assert!(!db.store.abandon_parked("merchant_a", "completer-abandon-1", 409, b"{}").await?, "held, not parked");
+    assert_eq!(completer(Duration::ZERO).round().await?.parked, 1);
+    let body = br#"{"type":"urn:idem:problem:request-abandoned","status":409}"#;
+    assert!(db.store.abandon_parked("merchant_a", "completer-abandon-1", 409, body).await?);
+    for _ in 0..2 {
+        let answer = charge(&base, "completer-abandon-1", &never).await?;
+        assert_eq!((answer.status, answer.body["type"].as_str()), (409, Some("urn:idem:problem:request-abandoned")));
+    }
+    assert_eq!(db.store.health().await?.parked_records, 0);
+    assert_eq!(completer(Duration::from_secs(3600)).round().await?, Round::default(), "nothing left to do");
+    assert_eq!(standin.charges.load(SeqCst), 2, "the abandoned request was never charged");
     assert_money_conserved(&db, &standin).await
 }
