@@ -428,6 +428,7 @@ pub async fn refund(
         Some(_) => return Err(invalid("reason", "must be a string or null")),
     };
     let cmd = RefundCommand {
+        id: None,
         merchant_id: Some(merchant.0.to_string()),
         payment_id,
         amount,
@@ -435,7 +436,19 @@ pub async fn refund(
         saga_id: None,
         traceparent: traceparent(&headers),
     };
-    match refund_payment((state.payments_of)(tx.uow())?, state.env(), &cmd).await {
+    if let Some(provider) = state.provider.clone() {
+        let payment =
+            (state.payments_of)(tx.uow())?.payments().get_for_update(payment_id, Some(merchant.0.to_string())).await?;
+        if let Some(p) = payment.filter(|p| p.provider == provider.name()) {
+            return refund_through_provider(&state, provider, tx, cmd, p).await;
+        }
+    }
+    refund_answer(refund_payment((state.payments_of)(tx.uow())?, state.env(), &cmd).await)
+}
+
+/// The answer to a refund (recorded, or through the provider).
+fn refund_answer(result: Result<(RefundRecord, PaymentRecord), RefundError>) -> Result<Response, ApiError> {
+    match result {
         Ok((refund, payment)) => Ok(json_response(
             StatusCode::CREATED,
             &refund_body(&refund, &payment),
@@ -460,6 +473,66 @@ pub async fn refund(
             Err(Problem::new(ProblemKind::RefundNotAllowed, StatusCode::CONFLICT).detail(e.to_string()).into())
         }
         Err(RefundError::Store(e)) => Err(e.into()),
+    }
+}
+
+/// The recovery point (and downstream key step) of a refund through the provider.
+pub const REFUND_STEP: &str = "refund";
+
+/// `POST /payments/{id}/refund` of a payment charged through the provider: the refund is checked against
+/// the payment (first phase: nothing written but the held record), made at the provider under the step's
+/// downstream key with no transaction open, then recorded (second phase, the payment locked and checked
+/// again) with the id the provider echoes as `reference` — the id its `charge.refunded` webhook records
+/// too, so the two paths make one refund.
+async fn refund_through_provider(
+    state: &ApiState,
+    provider: Arc<dyn PaymentProvider>,
+    mut tx: Tx,
+    mut cmd: RefundCommand,
+    payment: PaymentRecord,
+) -> Result<Response, ApiError> {
+    let Some(refund_id) = tx.intent_id("refund") else {
+        return Err(Problem::new(ProblemKind::IdempotencyKeyMissing, StatusCode::BAD_REQUEST).into());
+    };
+    cmd.id = Some(refund_id);
+    let Some(charge) = payment.external_payment_id.clone() else {
+        return refund_answer(Err(RefundError::Rule(RefundRuleError::NotRefundable(payment.status))));
+    };
+    if let Some(done) = (state.payments_of)(tx.uow())?.payments().get_refund(refund_id).await? {
+        // resumed after the provider's webhook recorded it
+        return refund_answer(Ok((done, payment)));
+    }
+    let currency = Currency::parse(&payment.currency).map_err(|e| invalid("amount", e.to_string()))?;
+    let money = match Money::new(cmd.amount, currency) {
+        Ok(money) => money,
+        Err(e) => return refund_answer(Err(RefundError::Amount(e))),
+    };
+    if let Err(e) = idem_domain::plan_refund(&payment, cmd.amount) {
+        return refund_answer(Err(RefundError::Rule(e)));
+    }
+    let request = idem_ports::RefundRequest {
+        charge,
+        amount_minor: idem_domain::usecases::minor_units(&money),
+        reference: refund_id.to_string(),
+    };
+    let call = tx.foreign_call(REFUND_STEP).await?;
+    match provider.refund(call.key(), &request).await {
+        Ok(_) => {
+            tx.resume(call).await?;
+            refund_answer(refund_payment((state.payments_of)(tx.uow())?, state.env(), &cmd).await)
+        }
+        Err(ProviderError::Refused { code }) => {
+            tracing::info!(payment = %payment.id, code = %code.escape_debug(), "the provider refused the refund");
+            tx.resume(call).await?;
+            Err(Problem::new(ProblemKind::RefundNotAllowed, StatusCode::CONFLICT)
+                .detail("the payment provider refused the refund")
+                .commit()
+                .into())
+        }
+        Err(ProviderError::Unknown(why)) => {
+            tracing::warn!(payment = %payment.id, why = %why, "the provider's answer to a refund is unknown; the retry asks again under the same key");
+            Err(tx.outcome_unknown(call).await.into())
+        }
     }
 }
 

@@ -16,6 +16,7 @@ pub mod problem;
 pub mod provider;
 pub mod quota;
 pub mod server;
+pub mod webhooks;
 
 use std::sync::Arc;
 
@@ -59,6 +60,7 @@ pub fn router_with_metrics(
     metrics: HttpMetrics,
 ) -> Router {
     let idempotency = idempotency.with_metrics(metrics.clone());
+    let with_provider = state.provider.is_some();
     // Layer order: authentication (outer, on every route) runs first, so the idempotency layer (inner,
     // route_layer on the POST routes only) can scope keys by the merchant it established.
     let commands = Router::new()
@@ -71,7 +73,9 @@ pub fn router_with_metrics(
         .layer(middleware::from_fn_with_state(keys, auth::authenticate))
         .route(
             "/openapi.json",
-            get(|| async { ([(axum::http::header::CONTENT_TYPE, "application/json")], openapi::json()) }),
+            get(move || async move {
+                ([(axum::http::header::CONTENT_TYPE, "application/json")], openapi::json(with_provider))
+            }),
         )
         .route_layer(middleware::from_fn_with_state(metrics, metrics::track))
         .method_not_allowed_fallback(|| async {

@@ -15,7 +15,9 @@
 use idem_domain::Currency;
 use idem_domain::idempotency::MAX_KEY_LEN;
 use idem_domain::money::{MAX_INTEGER_DIGITS, MAX_SCALE};
-use idem_domain::usecases::{EXTERNAL_PAYMENT_ID_MAX_LEN, PROVIDER_MAX_LEN, REFUND_REASON_MAX_CHARS};
+use idem_domain::usecases::{
+    EXTERNAL_PAYMENT_ID_MAX_LEN, PAYMENT_METHOD_MAX_LEN, PROVIDER_MAX_LEN, REFUND_REASON_MAX_CHARS,
+};
 use serde_json::{Value, json};
 
 use crate::problem::ProblemKind;
@@ -80,10 +82,55 @@ fn success(description: &str, schema: &str, links: Value) -> Value {
     })
 }
 
-/// The document, serialized once.
-pub fn json() -> &'static str {
-    static DOCUMENT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| document().to_string());
-    &DOCUMENT
+/// The document, serialized once (`provider`: the service charges through a payment provider).
+pub fn json(provider: bool) -> &'static str {
+    static PLAIN: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| document().to_string());
+    static WITH_PROVIDER: std::sync::LazyLock<String> =
+        std::sync::LazyLock::new(|| document_with_provider().to_string());
+    if provider { &WITH_PROVIDER } else { &PLAIN }
+}
+
+/// The document of a service that charges through a payment provider: charges with a `payment_method`
+/// (`402 card-declined`, final and replayed) and the provider's webhooks besides the recording flow.
+pub fn document_with_provider() -> Value {
+    let mut doc = document();
+    let schemas = &mut doc["components"]["schemas"];
+    let recorded = schemas["ChargeRequest"].clone();
+    let mut through = recorded.clone();
+    through["required"] = json!(["order_id", "customer_id", "payment_method", "amount", "currency"]);
+    if let Some(properties) = through["properties"].as_object_mut() {
+        properties.remove("provider");
+        properties.remove("external_payment_id");
+        properties.insert(
+            "payment_method".into(),
+            json!({ "type": "string", "pattern": format!("^[!-~]{{1,{PAYMENT_METHOD_MAX_LEN}}}$"),
+                    "description": "The provider's token of the card or account: the charge goes through the provider" }),
+        );
+    }
+    schemas["RecordedChargeRequest"] = recorded;
+    schemas["ProviderChargeRequest"] = through;
+    schemas["ChargeRequest"] = json!({ "oneOf": [
+        { "$ref": "#/components/schemas/RecordedChargeRequest" },
+        { "$ref": "#/components/schemas/ProviderChargeRequest" }
+    ] });
+    let charge = &mut doc["paths"]["/payments"]["post"]["responses"];
+    charge["402"] = problem_response(
+        "The payment provider declined the charge (card-declined): final, replayed to every retry; the payment is declined",
+        false,
+    );
+    doc["paths"]["/webhooks/payment-provider"] = json!({ "post": {
+        "operationId": "providerWebhook", "security": [],
+        "description": "The payment provider's events, signed: Provider-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256(secret, \"<t>.<body>\")>, 5 minutes' tolerance. Each event id is applied once.",
+        "parameters": [{ "name": "Provider-Signature", "in": "header", "required": true, "schema": { "type": "string" } }],
+        "requestBody": { "required": true, "content": { "application/json": { "schema": { "type": "object" } } } },
+        "responses": {
+            "200": { "description": "Applied, or applied before (outcome)", "content": { "application/json": { "schema": { "type": "object" } } } },
+            "400": problem_response("No or a malformed signature, or a malformed event", false),
+            "401": problem_response("A wrong or stale signature: nothing changed", false),
+            "503": problem_response("Not applied now (the database, or a refund before its charge): deliver it again", true)
+        }
+    } });
+    doc
 }
 
 /// The document served at `GET /openapi.json`.
@@ -174,10 +221,10 @@ pub fn document() -> Value {
                         "order_id": { "type": "string", "format": "uuid" },
                         "customer_id": { "type": "string", "format": "uuid" },
                         "provider": { "type": "string" },
-                        "external_payment_id": { "type": "string" },
+                        "external_payment_id": { "type": ["string", "null"], "description": "The provider's charge id; null while a charge through the provider is pending, or declined" },
                         "amount": { "type": "string" },
                         "currency": { "type": "string" },
-                        "status": { "type": "string", "enum": ["pending", "captured", "partially_refunded", "refunded"] },
+                        "status": { "type": "string", "enum": ["pending", "captured", "partially_refunded", "refunded", "declined"] },
                         "refunded_amount": { "type": "string" },
                         "created_at": { "type": "string", "format": "date-time" }
                     }
@@ -202,7 +249,7 @@ pub fn document() -> Value {
                         "amount": { "type": "string" },
                         "reason": { "type": ["string", "null"] },
                         "created_at": { "type": "string", "format": "date-time" },
-                        "payment_status": { "type": "string", "enum": ["pending", "captured", "partially_refunded", "refunded"] },
+                        "payment_status": { "type": "string", "enum": ["pending", "captured", "partially_refunded", "refunded", "declined"] },
                         "refunded_amount": { "type": "string" }
                     }
                 },
@@ -309,6 +356,20 @@ mod tests {
                 assert_eq!(matches(&pattern, s), rules, "{s:?} in {code}: pattern {pattern}");
             }
         }
+    }
+
+    #[test]
+    fn a_service_with_a_provider_documents_its_charges_declines_and_webhooks() {
+        let doc = document_with_provider();
+        let schemas = &doc["components"]["schemas"];
+        assert_eq!(schemas["ChargeRequest"]["oneOf"].as_array().map(Vec::len), Some(2));
+        let through = &schemas["ProviderChargeRequest"];
+        assert!(through["required"].as_array().is_some_and(|r| r.contains(&json!("payment_method"))));
+        assert!(through["properties"].get("provider").is_none(), "a provider charge names no provider payment");
+        assert!(through["anyOf"].is_array(), "amount and currency stay tied");
+        assert!(doc["paths"]["/payments"]["post"]["responses"]["402"].is_object());
+        assert!(doc["paths"]["/webhooks/payment-provider"]["post"].is_object());
+        assert!(document()["paths"].get("/webhooks/payment-provider").is_none());
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_domain::phases::{CallOutcome, http_outcome};
-use idem_ports::{Charge, ChargeRequest, PaymentProvider, ProviderError};
+use idem_ports::{Charge, ChargeRequest, PaymentProvider, ProviderError, ProviderRefund, RefundRequest};
 use serde::Deserialize;
 
 /// The provider at `base`, each call bounded by a timeout. `Debug` never shows the API key.
@@ -33,6 +33,12 @@ struct ChargeBody {
     id: String,
     amount_minor: i64,
     currency: String,
+}
+
+#[derive(Deserialize)]
+struct RefundBody {
+    id: String,
+    amount_minor: i64,
 }
 
 #[derive(Deserialize)]
@@ -73,12 +79,39 @@ impl PaymentProvider for HttpPaymentProvider {
             "payment_method": request.payment_method,
             "reference": request.reference,
         });
+        let (status, text) = self.post("/v1/charges", idempotency_key, &body).await?;
+        let charge: ChargeBody = serde_json::from_slice(&text)
+            .map_err(|e| ProviderError::Unknown(format!("unreadable charge (status {status}): {e}")))?;
+        Ok(Charge { id: charge.id, amount_minor: charge.amount_minor, currency: charge.currency })
+    }
+
+    async fn refund(&self, idempotency_key: &str, request: &RefundRequest) -> Result<ProviderRefund, ProviderError> {
+        let body = serde_json::json!({
+            "charge": request.charge,
+            "amount_minor": request.amount_minor,
+            "reference": request.reference,
+        });
+        let (status, text) = self.post("/v1/refunds", idempotency_key, &body).await?;
+        let refund: RefundBody = serde_json::from_slice(&text)
+            .map_err(|e| ProviderError::Unknown(format!("unreadable refund (status {status}): {e}")))?;
+        Ok(ProviderRefund { id: refund.id, amount_minor: refund.amount_minor })
+    }
+}
+
+impl HttpPaymentProvider {
+    /// Posts `body` to `path` under `idempotency_key`: the body of a `2xx`, or what the answer means.
+    async fn post(
+        &self,
+        path: &str,
+        idempotency_key: &str,
+        body: &serde_json::Value,
+    ) -> Result<(u16, bytes::Bytes), ProviderError> {
         let reply = self
             .http
-            .post(format!("{}/v1/charges", self.base))
+            .post(format!("{}{path}", self.base))
             .bearer_auth(&self.api_key)
             .header("idempotency-key", idempotency_key)
-            .json(&body)
+            .json(body)
             .send()
             .await;
         let reply = match reply {
@@ -89,11 +122,7 @@ impl PaymentProvider for HttpPaymentProvider {
         let status = reply.status().as_u16();
         let text = reply.bytes().await.map_err(|e| ProviderError::Unknown(e.without_url().to_string()))?;
         match http_outcome(Some(status)) {
-            CallOutcome::Succeeded => {
-                let charge: ChargeBody = serde_json::from_slice(&text)
-                    .map_err(|e| ProviderError::Unknown(format!("unreadable charge (status {status}): {e}")))?;
-                Ok(Charge { id: charge.id, amount_minor: charge.amount_minor, currency: charge.currency })
-            }
+            CallOutcome::Succeeded => Ok((status, text)),
             CallOutcome::Refused => {
                 let code = serde_json::from_slice::<ErrorBody>(&text).map(|b| b.error.code).unwrap_or_default();
                 Err(ProviderError::Refused { code: if code.is_empty() { format!("http_{status}") } else { code } })

@@ -209,7 +209,20 @@ fn api(args: &ServeArgs, store: &PgStore, checked: &Checked, registry: &mut Regi
     };
     let api_keys = args.api_keys.clone().with_concurrency_limit(args.merchant_concurrency as usize);
     api_keys.register(registry);
-    Ok(idem_http::router_with_metrics(state, Arc::new(api_keys), layer, http_metrics))
+    let webhooks = match (&args.provider.payment_provider_webhook_secret, &state.provider) {
+        (Some(secret), Some(provider)) => Some(idem_http::webhooks::WebhookState {
+            api: state.clone(),
+            provider: provider.name().into(),
+            secret: secret.0.as_bytes().into(),
+        }),
+        (Some(_), None) => anyhow::bail!("PAYMENT_PROVIDER_WEBHOOK_SECRET needs PAYMENT_PROVIDER_URL"),
+        _ => None,
+    };
+    let api = idem_http::router_with_metrics(state, Arc::new(api_keys), layer, http_metrics);
+    Ok(match webhooks {
+        Some(webhooks) => api.merge(idem_http::webhooks::router(webhooks)),
+        None => api,
+    })
 }
 
 /// The completer of held requests, re-sending through the API's own router (its idempotency layer and

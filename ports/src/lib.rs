@@ -18,7 +18,7 @@ mod runtime;
 
 pub use error::{PublishError, StoreError};
 pub use inbound::{BatchError, EventHandler, HandlerError};
-pub use provider::{Charge, ChargeRequest, PaymentProvider, ProviderError};
+pub use provider::{Charge, ChargeRequest, PaymentProvider, ProviderError, ProviderRefund, RefundRequest};
 pub use records::{
     ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyState, InboundEvent, LapsedRecord, NewOutboxMessage,
     NewPayment, NewPendingPayment, NewRefund, OrderVersion, OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus,

@@ -29,6 +29,26 @@ pub struct Charge {
     pub currency: String,
 }
 
+/// A refund to make of a charge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefundRequest {
+    /// The provider's id of the charge (`ch_…`).
+    pub charge: String,
+    /// Amount in the currency's minor unit.
+    pub amount_minor: i64,
+    /// idem's own id of the refund, echoed by the provider (and by its webhooks).
+    pub reference: String,
+}
+
+/// A refund the provider made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProviderRefund {
+    /// The provider's id of the refund (`re_…`).
+    pub id: String,
+    /// What it refunded, in minor units.
+    pub amount_minor: i64,
+}
+
 /// Why a call did not produce a charge.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProviderError {
@@ -53,4 +73,7 @@ pub trait PaymentProvider: Send + Sync {
 
     /// Charges once per `idempotency_key`: a repeated key with the same request gets the first answer.
     async fn charge(&self, idempotency_key: &str, request: &ChargeRequest) -> Result<Charge, ProviderError>;
+
+    /// Refunds once per `idempotency_key`, like [`PaymentProvider::charge`].
+    async fn refund(&self, idempotency_key: &str, request: &RefundRequest) -> Result<ProviderRefund, ProviderError>;
 }

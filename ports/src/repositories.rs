@@ -178,6 +178,16 @@ pub trait PaymentRepository: Send {
     /// Marks the pending payment `id` declined; `None` when it is not pending.
     async fn decline(&mut self, id: Uuid, now: DateTime<Utc>) -> Result<Option<PaymentRecord>, StoreError>;
 
+    /// The refund with this id, if any.
+    async fn get_refund(&mut self, id: Uuid) -> Result<Option<RefundRecord>, StoreError>;
+
+    /// The payment the provider's charge `external_payment_id` was captured as, locked for update.
+    async fn get_by_external_for_update(
+        &mut self,
+        provider: &str,
+        external_payment_id: &str,
+    ) -> Result<Option<PaymentRecord>, StoreError>;
+
     /// Records the provider's event `event_id` as applied, in this unit: false when it was applied before.
     async fn record_provider_event(
         &mut self,

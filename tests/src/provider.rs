@@ -31,12 +31,37 @@ pub struct StandIn {
     pub fail_status: AtomicU16,
     /// How many next calls fail.
     pub failures: AtomicUsize,
+    /// Refunds by idempotency key: the request's parameters and the answer.
+    refunds: Mutex<HashMap<String, (Value, Value)>>,
+    /// Refunds made.
+    pub refunds_made: AtomicUsize,
 }
 
 impl StandIn {
     /// Charges made for `key`: 0 or 1.
     pub fn charges_for(&self, key: &str) -> usize {
         self.answers.lock().map(|a| usize::from(a.contains_key(key))).unwrap_or_default()
+    }
+
+    /// Minor units refunded of the charge `charge`.
+    pub fn refunded_of(&self, charge: &str) -> i64 {
+        let Ok(refunds) = self.refunds.lock() else { return 0 };
+        refunds
+            .values()
+            .filter(|(_, a)| a["charge"] == charge)
+            .map(|(_, a)| a["amount_minor"].as_i64().unwrap_or_default())
+            .sum()
+    }
+
+    /// A refund made at the provider itself (its dashboard), not through its API: its id.
+    pub fn refund_from_dashboard(&self, charge: &str, amount_minor: i64) -> String {
+        let n = self.refunds_made.fetch_add(1, SeqCst) + 1;
+        let id = format!("re_{n}");
+        let answer = json!({"id": id, "status": "succeeded", "charge": charge, "amount_minor": amount_minor});
+        if let Ok(mut refunds) = self.refunds.lock() {
+            refunds.insert(format!("dashboard-{n}"), (Value::Null, answer));
+        }
+        id
     }
 
     /// Every charge made: its id, amount in minor units and reference (idem's payment id), in no order.
@@ -56,7 +81,10 @@ impl StandIn {
 /// Serves a stand-in provider accepting `api_key`; returns its state and base URL.
 pub async fn start(api_key: &str) -> anyhow::Result<(Arc<StandIn>, String)> {
     let state = Arc::new(StandIn { api_key: api_key.to_owned(), ..StandIn::default() });
-    let router = axum::Router::new().route("/v1/charges", axum::routing::post(charge)).with_state(state.clone());
+    let router = axum::Router::new()
+        .route("/v1/charges", axum::routing::post(charge))
+        .route("/v1/refunds", axum::routing::post(refund))
+        .with_state(state.clone());
     Ok((state, crate::serve(router).await?))
 }
 
@@ -97,6 +125,65 @@ async fn charge(
                     "currency": params["currency"], "reference": params["reference"],
                 });
                 answers.insert(key, (params.clone(), answer.clone()));
+                Ok(answer)
+            }
+        }
+    };
+    tokio::time::sleep(Duration::from_millis(p.delay_ms.load(SeqCst))).await;
+    match answer {
+        Ok(answer) => (StatusCode::OK, Json(answer)),
+        Err(refusal) => refusal,
+    }
+}
+
+/// `POST /v1/refunds`: a refund of a charge made here, at most what is left of it; a repeated key with the
+/// same parameters gets the first answer.
+async fn refund(
+    State(p): State<Arc<StandIn>>,
+    headers: HeaderMap,
+    Json(params): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    p.calls.fetch_add(1, SeqCst);
+    let error =
+        |status: StatusCode, kind: &str, code: &str| (status, Json(json!({"error": {"type": kind, "code": code}})));
+    let bearer = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    if bearer != Some(p.api_key.as_str()) {
+        return error(StatusCode::UNAUTHORIZED, "authentication_error", "invalid_api_key");
+    }
+    let Some(key) = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_owned) else {
+        return error(StatusCode::BAD_REQUEST, "invalid_request_error", "idempotency_key_missing");
+    };
+    if p.failures.load(SeqCst) > 0 {
+        p.failures.fetch_sub(1, SeqCst);
+        let status = StatusCode::from_u16(p.fail_status.load(SeqCst)).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        return error(status, "api_error", "injected");
+    }
+    let charge = params["charge"].as_str().unwrap_or_default().to_owned();
+    let charged = p
+        .answers
+        .lock()
+        .ok()
+        .and_then(|a| a.values().find(|(_, c)| c["id"] == charge.as_str()).map(|(_, c)| c["amount_minor"].as_i64()))
+        .flatten();
+    let already = p.refunded_of(&charge);
+    let answer = {
+        let Ok(mut refunds) = p.refunds.lock() else {
+            return error(StatusCode::INTERNAL_SERVER_ERROR, "api_error", "poisoned");
+        };
+        match (refunds.get(&key), charged) {
+            (Some((first, answer)), _) if *first == params => Ok(answer.clone()),
+            (Some(_), _) => Err(error(StatusCode::UNPROCESSABLE_ENTITY, "idempotency_error", "key_reused")),
+            (None, None) => Err(error(StatusCode::NOT_FOUND, "invalid_request_error", "no_such_charge")),
+            (None, Some(charged)) if already + params["amount_minor"].as_i64().unwrap_or(i64::MAX) > charged => {
+                Err(error(StatusCode::BAD_REQUEST, "invalid_request_error", "amount_too_large"))
+            }
+            (None, Some(_)) => {
+                let n = p.refunds_made.fetch_add(1, SeqCst) + 1;
+                let answer = json!({
+                    "id": format!("re_{n}"), "status": "succeeded", "charge": charge,
+                    "amount_minor": params["amount_minor"], "reference": params["reference"],
+                });
+                refunds.insert(key, (params.clone(), answer.clone()));
                 Ok(answer)
             }
         }

@@ -316,6 +316,32 @@ impl PaymentRepository for PgUnitOfWork {
         record(row)
     }
 
+    async fn get_refund(&mut self, id: Uuid) -> Result<Option<RefundRecord>, StoreError> {
+        sqlx::query_as!(RefundRecord, "SELECT id, payment_id, amount, reason, created_at FROM refund WHERE id = $1", id)
+            .fetch_optional(self.db())
+            .await
+            .map_err(|e| self.failed(e))
+    }
+
+    async fn get_by_external_for_update(
+        &mut self,
+        provider: &str,
+        external_payment_id: &str,
+    ) -> Result<Option<PaymentRecord>, StoreError> {
+        let row = sqlx::query_as!(
+            PaymentRow,
+            r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                      currency AS "currency!", status, refunded_amount, created_at
+               FROM payment WHERE provider = $1 AND external_payment_id = $2 FOR UPDATE"#,
+            provider,
+            external_payment_id,
+        )
+        .fetch_optional(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        record(row)
+    }
+
     async fn record_provider_event(
         &mut self,
         provider: &str,

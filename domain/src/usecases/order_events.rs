@@ -254,6 +254,7 @@ impl OrderEventHandler {
             return Ok(json!({ "skipped": "nothing left to refund", "payment_id": payment.id }));
         };
         let cmd = RefundCommand {
+            id: None,
             merchant_id: Some(self.merchant_id.clone()),
             payment_id: payment.id,
             amount,

@@ -97,6 +97,13 @@ pub fn minor_units(money: &Money) -> i64 {
     in_minor_units(money.amount.value(), money.currency)
 }
 
+/// `minor` units of `currency` as an amount (`1234` EUR is `12.34`); refused when not positive or too large.
+pub fn from_minor_units(minor: i64, currency: Currency) -> Result<crate::money::Amount, crate::money::MoneyError> {
+    let mut value = Decimal::from(minor);
+    value.set_scale(currency.minor_units()).map_err(|_| crate::money::MoneyError::TooLarge)?;
+    crate::money::Amount::try_from(value)
+}
+
 fn in_minor_units(value: Decimal, currency: Currency) -> i64 {
     let scaled = value * Decimal::from(10i64.pow(currency.minor_units()));
     i64::try_from(scaled.trunc()).unwrap_or(i64::MAX)
@@ -250,6 +257,12 @@ mod tests {
         assert_eq!(minor_units(&money("12.3", "EUR")), 1230);
         assert_eq!(minor_units(&money("1500", "JPY")), 1500);
         assert_eq!(minor_units(&money("1.234", "BHD")), 1234);
+        for (amount, currency) in [("12.34", "EUR"), ("1500", "JPY"), ("1.234", "BHD"), ("0.01", "EUR")] {
+            let m = money(amount, currency);
+            assert_eq!(from_minor_units(minor_units(&m), m.currency), Ok(m.amount), "{amount} {currency}");
+        }
+        assert!(from_minor_units(0, Currency::parse("EUR").expect("EUR")).is_err());
+        assert!(from_minor_units(-5, Currency::parse("EUR").expect("EUR")).is_err());
     }
 
     #[test]

@@ -20,6 +20,10 @@ use crate::payment::{RefundRuleError, plan_refund};
 /// A request to refund part or all of a payment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RefundCommand {
+    /// The refund's id when the caller fixes it (a refund through the provider: derived from the request's
+    /// key, and echoed by the provider's webhook); a refund with this id that exists already is returned
+    /// as it is, never applied twice. `None`: a new id.
+    pub id: Option<Uuid>,
     /// The merchant asking; `None` for internal callers such as a saga compensation.
     pub merchant_id: Option<String>,
     /// The payment to refund.
@@ -66,10 +70,19 @@ pub async fn refund_payment(
         .ok_or(RefundError::NotFound)?;
     let currency = crate::money::Currency::parse(&payment.currency).map_err(RefundError::Amount)?;
     crate::money::check_minor_units(cmd.amount, currency).map_err(RefundError::Amount)?;
+    if let Some(existing) = match cmd.id {
+        Some(id) => uow.payments().get_refund(id).await?,
+        None => None,
+    } {
+        if existing.payment_id != payment.id {
+            return Err(RefundError::NotFound);
+        }
+        return Ok((existing, payment));
+    }
     let plan = plan_refund(&payment, cmd.amount)?;
     let now = env.clock.now();
     let refund = NewRefund {
-        id: env.ids.new_id(),
+        id: cmd.id.unwrap_or_else(|| env.ids.new_id()),
         payment_id: payment.id,
         amount: cmd.amount.value(),
         reason: cmd.reason.clone(),
@@ -127,6 +140,7 @@ mod tests {
         let mut ids = MockIdGenerator::new();
         ids.expect_new_id().returning(|| Uuid::from_u128(0x0193_0000_0000_7000_8000_0000_0000_1111));
         let cmd = RefundCommand {
+            id: None,
             merchant_id: Some(merchant.into()),
             payment_id: PAYMENT,
             amount: Amount::parse(amount).expect("valid"),

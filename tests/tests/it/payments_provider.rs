@@ -17,6 +17,7 @@ use serde_json::{Value, json};
 
 const API_KEY: &str = "key_a_0123456789";
 const PROVIDER_KEY: &str = "sk_test_standin_0123";
+const WEBHOOK_SECRET: &str = "whsec_test_0123456789";
 
 /// One instance of the service on `store`, charging through the provider at `provider_base`.
 async fn instance(
@@ -51,7 +52,12 @@ fn reference_router(
     config.lease = lease;
     let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), config);
     let keys = Arc::new(ApiKeys::parse(&format!("merchant_a:{API_KEY}")).map_err(anyhow::Error::msg)?);
-    Ok(idem_http::router(state, keys, layer))
+    let webhooks = idem_http::webhooks::WebhookState {
+        api: state.clone(),
+        provider: "standin".into(),
+        secret: WEBHOOK_SECRET.as_bytes().into(),
+    };
+    Ok(idem_http::router(state, keys, layer).merge(idem_http::webhooks::router(webhooks)))
 }
 
 struct Reply {
@@ -100,12 +106,21 @@ async fn assert_money_conserved(db: &TestDb, standin: &StandIn) -> anyhow::Resul
     let mut at_provider: Vec<(String, i64, String)> = standin.charges_made();
     at_provider.sort();
     let mut in_idem: Vec<(String, i64, String)> = sqlx::query_as(
-        "SELECT external_payment_id, (amount * 100)::bigint, id::text FROM payment WHERE status = 'captured'",
+        "SELECT external_payment_id, (amount * 100)::bigint, id::text FROM payment
+         WHERE status IN ('captured', 'partially_refunded', 'refunded')",
     )
     .fetch_all(db.pool())
     .await?;
     in_idem.sort();
     assert_eq!(at_provider, in_idem, "charges at the provider vs captured payments");
+    let refunded: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT external_payment_id, (refunded_amount * 100)::bigint FROM payment WHERE external_payment_id IS NOT NULL",
+    )
+    .fetch_all(db.pool())
+    .await?;
+    for (charge, in_idem) in refunded {
+        assert_eq!(standin.refunded_of(&charge), in_idem, "refunded of {charge}: at the provider vs in idem");
+    }
     Ok(())
 }
 
@@ -301,4 +316,194 @@ async fn the_completer_finishes_parks_and_the_operator_resumes_or_abandons() -> 
     assert_eq!(completer(Duration::from_secs(3600)).round().await?, Round::default(), "nothing left to do");
     assert_eq!(standin.charges.load(SeqCst), 2, "the abandoned request was never charged");
     assert_money_conserved(&db, &standin).await
+}
+
+/// Posts a provider event, signed at `signed_at` with `secret`; returns the status and the outcome.
+async fn webhook(
+    base: &str,
+    secret: &str,
+    signed_at: chrono::DateTime<chrono::Utc>,
+    event: &Value,
+) -> anyhow::Result<(u16, String)> {
+    let body = serde_json::to_vec(event)?;
+    let resp = reqwest::Client::new()
+        .post(format!("{base}/webhooks/payment-provider"))
+        .header("provider-signature", idem_domain::webhook::sign(secret.as_bytes(), &body, signed_at))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await?;
+    let status = resp.status().as_u16();
+    let body: Value = resp.json().await.unwrap_or(Value::Null);
+    Ok((status, body["outcome"].as_str().unwrap_or_default().to_owned()))
+}
+
+fn charge_event(event_id: &str, charge: &str, minor: i64, reference: uuid::Uuid) -> Value {
+    json!({"id": event_id, "type": "charge.succeeded", "created": 0, "data": {"object": {
+        "id": charge, "status": "succeeded", "amount_minor": minor, "currency": "EUR", "reference": reference.to_string()}}})
+}
+
+fn refund_event(event_id: &str, refund: &str, charge: &str, minor: i64, reference: Option<uuid::Uuid>) -> Value {
+    json!({"id": event_id, "type": "charge.refunded", "created": 0, "data": {"object": {
+        "id": refund, "status": "succeeded", "charge": charge, "amount_minor": minor,
+        "reference": reference.map(|r| r.to_string())}}})
+}
+
+/// Webhooks badly signed (missing, wrong secret, stale), early (the charge captured by its webhook while
+/// the API's call is still out, then the API's second phase finds it captured), duplicated, late (after
+/// the API captured), and a refund before its charge (503, not recorded, applied when delivered again);
+/// a refund through the API and its webhook make one refund. Effects: one payment per charge, one
+/// announcement per capture, refunds at the provider = refunds in idem.
+#[tokio::test]
+async fn webhooks_converge_with_the_api_whatever_their_order() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let base = instance(&db.store, &provider, Duration::from_secs(5), Duration::from_secs(30)).await?;
+    let now = chrono::Utc::now();
+    let events = || async { count_rows(&db, "SELECT count(*) FROM provider_event").await };
+
+    // badly signed: nothing recorded, nothing changed
+    let reference = idem_domain::phases::intent_id("merchant_a", "webhook-early-1", "payment");
+    let early = charge_event("evt_1", "ch_1", 2500, reference);
+    assert_eq!(webhook(&base, "whsec_wrong", now, &early).await?.0, 401);
+    assert_eq!(webhook(&base, WEBHOOK_SECRET, now - chrono::Duration::minutes(6), &early).await?.0, 401, "stale");
+    let unsigned = reqwest::Client::new().post(format!("{base}/webhooks/payment-provider")).json(&early).send().await?;
+    assert_eq!(unsigned.status().as_u16(), 400);
+    assert_eq!(events().await?, 0);
+
+    // early: the webhook captures while the API's call is out (the provider answers late)
+    standin.delay_ms.store(700, SeqCst);
+    let body = card("pm_card_visa", "25.00");
+    let api = {
+        let (base, body) = (base.clone(), body.clone());
+        tokio::spawn(async move { charge(&base, "webhook-early-1", &body).await })
+    };
+    while standin.charges.load(SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(webhook(&base, WEBHOOK_SECRET, now, &early).await?, (200, "captured".into()));
+    let answered = api.await??;
+    assert_eq!(
+        (answered.status, answered.body["external_payment_id"].as_str()),
+        (201, Some("ch_1")),
+        "{}",
+        answered.body
+    );
+    assert_eq!(webhook(&base, WEBHOOK_SECRET, now, &early).await?, (200, "duplicate".into()));
+    standin.delay_ms.store(0, SeqCst);
+
+    // late: the API captured first
+    let late_body = card("pm_card_visa", "10.00");
+    let late = charge(&base, "webhook-late-1", &late_body).await?;
+    assert_eq!(late.status, 201);
+    let late_ref = idem_domain::phases::intent_id("merchant_a", "webhook-late-1", "payment");
+    assert_eq!(late.body["id"], late_ref.to_string(), "the payment id is the derived intent id");
+    assert_eq!(
+        webhook(&base, WEBHOOK_SECRET, now, &charge_event("evt_2", "ch_2", 1000, late_ref)).await?,
+        (200, "already_captured".into())
+    );
+
+    // a refund made at the provider's dashboard, delivered before its charge is captured here: 503, again later
+    standin.delay_ms.store(700, SeqCst);
+    let third_body = card("pm_card_visa", "8.00");
+    let third = {
+        let (base, body) = (base.clone(), third_body.clone());
+        tokio::spawn(async move { charge(&base, "webhook-third-1", &body).await })
+    };
+    while standin.charges.load(SeqCst) < 3 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let made = standin.refund_from_dashboard("ch_3", 300);
+    let early_refund = refund_event("evt_3", &made, "ch_3", 300, None);
+    assert_eq!(webhook(&base, WEBHOOK_SECRET, now, &early_refund).await?.0, 503, "its charge is not captured yet");
+    assert_eq!(third.await??.status, 201);
+    standin.delay_ms.store(0, SeqCst);
+    assert_eq!(webhook(&base, WEBHOOK_SECRET, now, &early_refund).await?, (200, "refunded".into()));
+    assert_eq!(webhook(&base, WEBHOOK_SECRET, now, &early_refund).await?, (200, "duplicate".into()));
+
+    // a refund through the API, then its webhook: one refund
+    let payment = answered.body["id"].as_str().unwrap_or_default().to_owned();
+    let refund = reqwest::Client::new()
+        .post(format!("{base}/payments/{payment}/refund"))
+        .bearer_auth(API_KEY)
+        .header("idempotency-key", "webhook-refund-1")
+        .json(&json!({"amount": "5.00"}))
+        .send()
+        .await?;
+    assert_eq!(refund.status().as_u16(), 201);
+    let refund: Value = refund.json().await?;
+    let refund_id = uuid::Uuid::try_parse(refund["id"].as_str().unwrap_or_default())?;
+    assert_eq!(standin.refunded_of("ch_1"), 500, "refunded at the provider");
+    let echoed = refund_event("evt_4", "re_2", "ch_1", 500, Some(refund_id));
+    assert_eq!(webhook(&base, WEBHOOK_SECRET, now, &echoed).await?, (200, "already_refunded".into()));
+
+    assert_eq!(standin.charges.load(SeqCst), 3);
+    assert_eq!(count_rows(&db, "SELECT count(*) FROM payment").await?, 3);
+    assert_eq!(count_rows(&db, "SELECT count(*) FROM outbox_message WHERE type = 'PaymentCaptured'").await?, 3);
+    assert_eq!(count_rows(&db, "SELECT count(*) FROM refund").await?, 2);
+    let refunded: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT external_payment_id, (refunded_amount * 100)::bigint FROM payment WHERE refunded_amount > 0 ORDER BY 1",
+    )
+    .fetch_all(db.pool())
+    .await?;
+    assert_eq!(refunded, vec![("ch_1".to_owned(), 500), ("ch_3".to_owned(), 300)]);
+    assert_money_conserved(&db, &standin).await
+}
+
+/// A refund through the provider whose answer was lost (the provider refunded, answered too late) is
+/// retried under the same key: one refund at the provider, one in idem; a refund the provider refuses
+/// (more than is left there) is stored and replayed.
+#[tokio::test]
+async fn a_refund_through_the_provider_is_retried_once_and_a_refusal_replayed() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let base = instance(&db.store, &provider, Duration::from_millis(400), Duration::from_secs(30)).await?;
+    let paid = charge(&base, "refund-base-1", &card("pm_card_visa", "20.00")).await?;
+    assert_eq!(paid.status, 201);
+    let payment = paid.body["id"].as_str().unwrap_or_default().to_owned();
+    let refund = |key: &'static str, amount: &'static str| {
+        let (base, payment) = (base.clone(), payment.clone());
+        async move {
+            let resp = reqwest::Client::new()
+                .post(format!("{base}/payments/{payment}/refund"))
+                .bearer_auth(API_KEY)
+                .header("idempotency-key", key)
+                .json(&json!({"amount": amount}))
+                .send()
+                .await?;
+            let status = resp.status().as_u16();
+            Ok::<_, anyhow::Error>((status, resp.json::<Value>().await.unwrap_or(Value::Null)))
+        }
+    };
+    standin.delay_ms.store(800, SeqCst);
+    let lost = refund("refund-lost-1", "7.00").await?;
+    assert_eq!(lost.0, 503, "{}", lost.1);
+    assert_eq!(standin.refunded_of("ch_1"), 700, "the provider refunded");
+    assert_eq!(count_rows(&db, "SELECT count(*) FROM refund").await?, 0);
+    standin.delay_ms.store(0, SeqCst);
+    let retried = refund("refund-lost-1", "7.00").await?;
+    assert_eq!((retried.0, retried.1["refunded_amount"].as_str()), (201, Some("7.00")), "{}", retried.1);
+    assert_eq!(standin.refunds_made.load(SeqCst), 1, "one refund at the provider");
+    assert_eq!(count_rows(&db, "SELECT count(*) FROM refund").await?, 1);
+    let again = refund("refund-lost-1", "7.00").await?;
+    assert_eq!(again, retried, "replayed");
+
+    // the rest refunded at the provider's dashboard (its webhook not here yet): the provider refuses more
+    standin.refund_from_dashboard("ch_1", 1300);
+    let calls = standin.calls.load(SeqCst);
+    let refused = refund("refund-refused-1", "5.00").await?;
+    assert_eq!(
+        (refused.0, refused.1["type"].as_str()),
+        (409, Some("urn:idem:problem:refund-not-allowed")),
+        "{}",
+        refused.1
+    );
+    assert_eq!(refund("refund-refused-1", "5.00").await?, refused, "the refusal is stored and replayed");
+    assert_eq!(standin.calls.load(SeqCst), calls + 1, "asked once");
+    assert_eq!(count_rows(&db, "SELECT count(*) FROM refund").await?, 1);
+    Ok(())
+}
+
+async fn count_rows(db: &TestDb, sql: &str) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar(sql).fetch_one(db.pool()).await?)
 }
