@@ -290,6 +290,7 @@ fn order_consumer(
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let ids: Arc<dyn IdGenerator> = Arc::new(UuidV7Generator);
     let handler = Arc::new(OrderEventHandler {
+        charges_through_provider: args.provider.payment_provider_url.is_some(),
         clock: clock.clone(),
         ids,
         payments_topic: args.kafka.payments_topic.clone(),

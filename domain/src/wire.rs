@@ -109,10 +109,16 @@ pub enum OrderEvent {
         amount: String,
         /// ISO 4217 code.
         currency: String,
-        /// Payment provider.
-        provider: String,
-        /// The provider's payment id.
-        external_payment_id: String,
+        /// Payment provider (the recording flow: the producer charged already).
+        #[serde(default)]
+        provider: Option<String>,
+        /// The provider's payment id (with `provider`).
+        #[serde(default)]
+        external_payment_id: Option<String>,
+        /// The provider's token of the card (instead of `provider` and `external_payment_id`): idem charges
+        /// it through the payment provider, in phases keyed by the event.
+        #[serde(default)]
+        payment_method: Option<String>,
         /// The order's version; older or repeated versions change nothing.
         version: i64,
     },

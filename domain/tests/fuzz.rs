@@ -18,6 +18,7 @@ fn cases() -> u32 {
 
 fn handler() -> OrderEventHandler {
     OrderEventHandler {
+        charges_through_provider: false,
         clock: Arc::new(SystemClock),
         ids: Arc::new(UuidV7Generator),
         payments_topic: "payments".into(),

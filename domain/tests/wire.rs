@@ -67,8 +67,9 @@ fn order_events_are_read_as_documented() {
             customer_id: Uuid::from_u128(0x0193_a000_0000_7000_8000_0000_0000_0003),
             amount: "12.34".into(),
             currency: "EUR".into(),
-            provider: "stripe".into(),
-            external_payment_id: "pi_123".into(),
+            provider: Some("stripe".into()),
+            external_payment_id: Some("pi_123".into()),
+            payment_method: None,
             version: 1,
         }
     );

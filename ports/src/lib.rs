@@ -20,9 +20,10 @@ pub use error::{PublishError, StoreError};
 pub use inbound::{BatchError, EventHandler, HandlerError};
 pub use provider::{Charge, ChargeRequest, PaymentProvider, ProviderError, ProviderRefund, RefundRequest};
 pub use records::{
-    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyState, InboundEvent, LapsedRecord, NewOutboxMessage,
-    NewPayment, NewPendingPayment, NewRefund, OrderVersion, OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus,
-    PhaseHold, ProcessedEvent, RefundRecord, SagaStepClaim, StoredRequest, StoredResponse,
+    ClaimOutcome, HeldRequest, IdempotencyClaim, IdempotencyRecord, IdempotencyState, InboundEvent, LapsedRecord,
+    NewOutboxMessage, NewPayment, NewPendingPayment, NewRefund, OrderVersion, OutboxRecord, PaymentInsert,
+    PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent, RefundRecord, SagaStepClaim, StoredRequest,
+    StoredResponse,
 };
 pub use repositories::{
     ConsumerIdentity, IdempotencyRepository, OutboxRepository, OutboxWakeup, PaymentRepository, PaymentUnitOfWork,

@@ -231,6 +231,24 @@ pub struct StoredRequest {
     pub body: Vec<u8>,
 }
 
+/// A request held for the completer from the start (a consumer's event that charges through a provider):
+/// the completer sends it at its next round, and the phases run as for any HTTP request with its key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldRequest {
+    /// Whose key (the principal the completer sends it as).
+    pub scope: String,
+    /// The key (`event:<event_id>`).
+    pub key: String,
+    /// The request's fingerprint, as the idempotency layer computes it.
+    pub command_hash: [u8; 32],
+    /// The request.
+    pub request: StoredRequest,
+    /// When it was held.
+    pub created_at: DateTime<Utc>,
+    /// Its retention (counted from completion once completed).
+    pub expires_at: DateTime<Utc>,
+}
+
 /// A record held between phases whose lease lapsed long enough ago that its client is taken to have gone
 /// away: the completer's to finish.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -6,9 +6,9 @@ use uuid::Uuid;
 
 use crate::error::StoreError;
 use crate::records::{
-    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, LapsedRecord, NewOutboxMessage, NewPayment, NewPendingPayment,
-    NewRefund, OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent, RefundRecord,
-    SagaStepClaim, StoredResponse,
+    ClaimOutcome, HeldRequest, IdempotencyClaim, IdempotencyRecord, LapsedRecord, NewOutboxMessage, NewPayment,
+    NewPendingPayment, NewRefund, OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent,
+    RefundRecord, SagaStepClaim, StoredResponse,
 };
 
 /// Begins units of work. One implementation per store; it is a cheap handle, shared by value.
@@ -270,6 +270,13 @@ pub trait IdempotencyRepository: Send {
         limit: i64,
     ) -> Result<Vec<LapsedRecord>, StoreError> {
         let _ = (now, grace, max_backoff, limit);
+        Err(StoreError::Other("this store does not hold records between phases".into()))
+    }
+
+    /// Holds `held` for the completer, lapsed from the start (in the caller's unit: an event's
+    /// transaction); false when the key has a record already.
+    async fn enqueue_held(&mut self, held: &HeldRequest) -> Result<bool, StoreError> {
+        let _ = held;
         Err(StoreError::Other("this store does not hold records between phases".into()))
     }
 

@@ -32,6 +32,7 @@ const GROUP: &str = "bench";
 
 fn order_handler() -> OrderEventHandler {
     OrderEventHandler {
+        charges_through_provider: false,
         clock: Arc::new(SystemClock),
         ids: Arc::new(UuidV7Generator),
         payments_topic: "payments".into(),

@@ -5,8 +5,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use idem_ports::{
-    ClaimOutcome, IdempotencyClaim, IdempotencyRecord, IdempotencyRepository, IdempotencyState, LapsedRecord,
-    PhaseHold, StoreError, StoredRequest, StoredResponse,
+    ClaimOutcome, HeldRequest, IdempotencyClaim, IdempotencyRecord, IdempotencyRepository, IdempotencyState,
+    LapsedRecord, PhaseHold, StoreError, StoredRequest, StoredResponse,
 };
 
 use crate::PgUnitOfWork;
@@ -198,6 +198,31 @@ impl IdempotencyRepository for PgUnitOfWork {
                 completer_runs: u32::try_from(r.completer_runs).unwrap_or_default(),
             })
             .collect())
+    }
+
+    async fn enqueue_held(&mut self, held: &HeldRequest) -> Result<bool, StoreError> {
+        // attempt 0 with a lease lapsed long before (no client to wait for): the completer takes it over as
+        // attempt 1 at its next round
+        let inserted = sqlx::query!(
+            r#"INSERT INTO idempotency_record (scope, key, command_hash, state, created_at, expires_at, attempt,
+                                               lease_until, recovery_point, request_method, request_uri,
+                                               request_content_type, request_body)
+               VALUES ($1, $2, $3, 'in_flight', $4, $5, 0, $4::timestamptz - interval '1 day', 'held', $6, $7, $8, $9)
+               ON CONFLICT (scope, key) DO NOTHING"#,
+            held.scope,
+            held.key,
+            &held.command_hash[..],
+            held.created_at,
+            held.expires_at,
+            held.request.method,
+            held.request.uri,
+            held.request.content_type,
+            held.request.body,
+        )
+        .execute(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        Ok(inserted.rows_affected() == 1)
     }
 
     async fn completer_ran(&mut self, scope: &str, key: &str) -> Result<(), StoreError> {

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use idem_ports::{
-    BatchError, Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, PaymentUnitOfWork, PaymentsOf, UnitOfWork,
+    BatchError, Clock, EventHandler, HandlerError, HeldRequest, IdGenerator, InboundEvent, PaymentUnitOfWork,
+    PaymentsOf, StoredRequest, UnitOfWork,
 };
 use serde_json::json;
 use uuid::Uuid;
@@ -17,6 +18,10 @@ use crate::events::SagaStep;
 use crate::money::{Amount, Currency, Money, format_amount};
 use crate::payment::refundable;
 use crate::saga::{StepStart, begin_step, finish_step};
+
+/// How long the answer of a charge through the provider that an event started is kept after it completed
+/// (the held request's retention, as an HTTP request's under the default `IDEMPOTENCY_TTL`).
+pub const EVENT_CHARGE_RETENTION_HOURS: i64 = 48;
 
 /// Name of the compensation step run for a cancelled order.
 pub const REFUND_STEP: &str = "refund-payment";
@@ -36,6 +41,9 @@ pub struct OrderEventHandler {
     pub merchant_id: String,
     /// The payment repositories in the unit of work the consumer runner hands the handler.
     pub payments_of: PaymentsOf,
+    /// The service charges through a payment provider: an `OrderPlaced` with a `payment_method` becomes
+    /// a held request the completer drives (without one, such events are rejected).
+    pub charges_through_provider: bool,
 }
 
 impl std::fmt::Debug for OrderEventHandler {
@@ -90,13 +98,15 @@ struct Parsed {
 
 enum Action {
     Charge(ChargeCommand),
+    /// A charge through the provider: the `POST /payments` request the completer sends for the event.
+    ChargeThroughProvider(Vec<u8>),
     Compensate(SagaStep),
 }
 
 impl Parsed {
     fn status(&self) -> &'static str {
         match self.action {
-            Action::Charge(_) => "placed",
+            Action::Charge(_) | Action::ChargeThroughProvider(_) => "placed",
             Action::Compensate(_) => "cancelled",
         }
     }
@@ -125,25 +135,63 @@ impl OrderEventHandler {
             return Err(malformed("version must be between 0 and 1000000"));
         }
         let action = match body {
-            OrderEvent::OrderPlaced { customer_id, amount, currency, provider, external_payment_id, .. } => {
+            OrderEvent::OrderPlaced {
+                customer_id,
+                amount,
+                currency,
+                provider,
+                external_payment_id,
+                payment_method,
+                ..
+            } => {
                 let money = Money::new(
                     Amount::parse(&amount).map_err(malformed)?,
                     Currency::parse(&currency).map_err(malformed)?,
                 )
                 .map_err(malformed)?;
-                let mut cmd = ChargeCommand::new(
-                    &self.merchant_id,
-                    order_id,
-                    customer_id,
-                    &provider,
-                    &external_payment_id,
-                    money,
-                )
-                .map_err(malformed)?;
-                if let Some(id) = event.saga_id {
-                    cmd = cmd.with_saga(id);
+                match (provider, external_payment_id, payment_method) {
+                    (Some(provider), Some(external_payment_id), None) => {
+                        let mut cmd = ChargeCommand::new(
+                            &self.merchant_id,
+                            order_id,
+                            customer_id,
+                            &provider,
+                            &external_payment_id,
+                            money,
+                        )
+                        .map_err(malformed)?;
+                        if let Some(id) = event.saga_id {
+                            cmd = cmd.with_saga(id);
+                        }
+                        Action::Charge(cmd)
+                    }
+                    (None, None, Some(payment_method)) => {
+                        if !self.charges_through_provider {
+                            return Err(HandlerError::Rejected(
+                                "a payment_method needs a payment provider, and none is configured".into(),
+                            ));
+                        }
+                        // validated as the API validates it; the completer sends exactly this request
+                        super::ProviderChargeCommand::new(
+                            &self.merchant_id,
+                            order_id,
+                            customer_id,
+                            money,
+                            &payment_method,
+                        )
+                        .map_err(malformed)?;
+                        let body = json!({
+                            "order_id": order_id, "customer_id": customer_id, "amount": amount,
+                            "currency": currency, "payment_method": payment_method,
+                        });
+                        Action::ChargeThroughProvider(body.to_string().into_bytes())
+                    }
+                    _ => {
+                        return Err(malformed(
+                            "an OrderPlaced names either provider and external_payment_id, or payment_method",
+                        ));
+                    }
                 }
-                Action::Charge(cmd)
             }
             OrderEvent::OrderCancelled { .. } => {
                 let saga_id = event.saga_id.ok_or_else(|| malformed("OrderCancelled needs a saga_id header"))?;
@@ -153,7 +201,7 @@ impl OrderEventHandler {
         Ok(Parsed { order_id, version, action })
     }
 
-    async fn apply(&self, uow: &mut dyn PaymentUnitOfWork, event: Parsed) -> Result<(), HandlerError> {
+    async fn apply(&self, uow: &mut dyn PaymentUnitOfWork, event: Parsed, event_id: Uuid) -> Result<(), HandlerError> {
         // Older or repeated versions are skipped: the projection never moves backwards or twice.
         let now = self.clock.now();
         if !uow.projections().apply_order_version(event.order_id, event.version, event.status(), now).await? {
@@ -164,6 +212,27 @@ impl OrderEventHandler {
                 Ok(_) => Ok(()),
                 Err(e) => Err(charge_failure(e)),
             },
+            Action::ChargeThroughProvider(body) => {
+                // the charge's phases run as the request `POST /payments` under the key `event:<event_id>`:
+                // held here, in the event's transaction, for the completer to send (at its next round)
+                let request = StoredRequest {
+                    method: "POST".into(),
+                    uri: "/payments".into(),
+                    content_type: Some("application/json".into()),
+                    body,
+                };
+                let held = HeldRequest {
+                    scope: self.merchant_id.clone(),
+                    key: format!("event:{event_id}"),
+                    command_hash: *crate::idempotency::Fingerprint::of_request("POST", "/payments", &request.body)
+                        .as_bytes(),
+                    request,
+                    created_at: now,
+                    expires_at: now + chrono::Duration::hours(EVENT_CHARGE_RETENTION_HOURS),
+                };
+                uow.idempotency().enqueue_held(&held).await?;
+                Ok(())
+            }
             Action::Compensate(step) => {
                 if let StepStart::Done(_) = begin_step(uow, &step, now).await? {
                     return Ok(());
@@ -192,7 +261,7 @@ fn charge_failure(e: ChargeError) -> HandlerError {
 impl EventHandler for OrderEventHandler {
     async fn handle(&self, uow: &mut dyn UnitOfWork, event: &InboundEvent) -> Result<(), HandlerError> {
         let parsed = self.parse(event)?;
-        self.apply((self.payments_of)(uow)?, parsed).await
+        self.apply((self.payments_of)(uow)?, parsed, event.event_id).await
     }
 
     /// Set-based when every event is an `OrderPlaced` of a distinct order (the common case): one statement
@@ -208,7 +277,7 @@ impl EventHandler for OrderEventHandler {
         let all_charges = parsed.iter().all(|p| matches!(p.action, Action::Charge(_)));
         if events.len() == 1 || orders.len() != parsed.len() || !all_charges {
             for (index, p) in parsed.into_iter().enumerate() {
-                self.apply(uow, p).await.map_err(|error| BatchError { index, error })?;
+                self.apply(uow, p, events[index].event_id).await.map_err(|error| BatchError { index, error })?;
             }
             return Ok(());
         }
@@ -224,7 +293,7 @@ impl EventHandler for OrderEventHandler {
             .filter(|(_, p)| applied.contains(&p.order_id))
             .filter_map(|(i, p)| match &p.action {
                 Action::Charge(cmd) => Some((i, cmd)),
-                Action::Compensate(_) => None,
+                Action::ChargeThroughProvider(_) | Action::Compensate(_) => None,
             })
             .collect();
         let cmds: Vec<&ChargeCommand> = charges.iter().map(|(_, c)| *c).collect();
@@ -282,6 +351,7 @@ mod tests {
 
     fn handler() -> OrderEventHandler {
         OrderEventHandler {
+            charges_through_provider: false,
             clock: Arc::new(SystemClock),
             ids: Arc::new(UuidV7Generator),
             payments_topic: "payments".into(),

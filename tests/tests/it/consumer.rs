@@ -31,6 +31,7 @@ impl Running {
 
 fn handler() -> Arc<OrderEventHandler> {
     Arc::new(OrderEventHandler {
+        charges_through_provider: false,
         clock: Arc::new(SystemClock),
         ids: Arc::new(UuidV7Generator),
         payments_topic: "payments".into(),

@@ -266,6 +266,7 @@ async fn relay_killed_after_publish_republishes_the_same_event_ids_and_consumers
         RunnerSettings::new(&brokers, &unique_topic("g"), &topic, TtlPolicy::new(Duration::from_secs(72 * 3600))?);
     settings.consumer.session_timeout = Duration::from_millis(6000);
     let handler = Arc::new(OrderEventHandler {
+        charges_through_provider: false,
         clock: Arc::new(SystemClock),
         ids: Arc::new(UuidV7Generator),
         payments_topic: "payments".into(),

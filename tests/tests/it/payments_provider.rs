@@ -507,3 +507,66 @@ async fn a_refund_through_the_provider_is_retried_once_and_a_refusal_replayed() 
 async fn count_rows(db: &TestDb, sql: &str) -> anyhow::Result<i64> {
     Ok(sqlx::query_scalar(sql).fetch_one(db.pool()).await?)
 }
+
+/// An `OrderPlaced` with a `payment_method`, delivered twice (a redelivery that reached the handler): the
+/// event's transaction holds the request `POST /payments` under the key `event:<event_id>` for the
+/// completer, which charges through the provider in phases keyed by the event — one charge, one captured
+/// payment of the orders merchant; a service without a provider rejects such an event (dead letter).
+#[tokio::test]
+async fn an_order_with_a_payment_method_is_charged_once_through_the_completer() -> anyhow::Result<()> {
+    use idem_domain::usecases::OrderEventHandler;
+    use idem_http::completer::{Completer, CompleterSettings};
+    use idem_ports::{EventHandler, HandlerError, InboundEvent};
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let router = reference_router(&db.store, &provider, Duration::from_secs(2), Duration::from_secs(30))?;
+    let handler = |through_provider| OrderEventHandler {
+        charges_through_provider: through_provider,
+        clock: Arc::new(SystemClock),
+        ids: Arc::new(UuidV7Generator),
+        payments_topic: "payments".into(),
+        merchant_id: "orders".into(),
+        payments_of: idem_postgres::payments_of,
+    };
+    let order = uuid::Uuid::now_v7();
+    let event = InboundEvent {
+        event_id: uuid::Uuid::now_v7(),
+        saga_id: None,
+        topic: "orders".into(),
+        partition: 0,
+        offset: 0,
+        key: Some(order.to_string().into_bytes()),
+        payload:
+            json!({"type": "OrderPlaced", "order_id": order, "customer_id": uuid::Uuid::now_v7(), "amount": "55.10",
+                        "currency": "EUR", "payment_method": "pm_card_visa", "version": 1})
+            .to_string()
+            .into_bytes(),
+    };
+    let mut uow = db.store.begin().await?;
+    let refused = handler(false).handle(uow.as_mut(), &event).await;
+    assert!(matches!(refused, Err(HandlerError::Rejected(_))), "{refused:?}");
+    drop(uow);
+    for _ in 0..2 {
+        let mut uow = db.store.begin().await?;
+        handler(true).handle(uow.as_mut(), &event).await?;
+        uow.commit().await?;
+    }
+    assert_eq!(db.store.held_records(false, 10).await?.len(), 1, "held once, for the completer");
+    let settings = CompleterSettings { grace: Duration::ZERO, ..CompleterSettings::default() };
+    let completer = Completer::new(
+        Arc::new(db.store.clone()),
+        Arc::new(SystemClock),
+        router,
+        idem_http::merchant_principal(),
+        settings,
+    );
+    assert_eq!(completer.round().await?.completed, 1);
+    assert_eq!(completer.round().await?.completed, 0, "nothing left");
+    assert_eq!(standin.charges.load(SeqCst), 1);
+    let key = idem_domain::phases::downstream_key("orders", &format!("event:{}", event.event_id), "charge");
+    assert_eq!(standin.charges_for(&key), 1, "the provider saw the downstream key of the event's charge step");
+    let (merchant, status): (String, String) =
+        sqlx::query_as("SELECT merchant_id, status FROM payment").fetch_one(db.pool()).await?;
+    assert_eq!((merchant.as_str(), status.as_str()), ("orders", "captured"));
+    assert_money_conserved(&db, &standin).await
+}
