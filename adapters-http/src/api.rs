@@ -384,6 +384,10 @@ async fn charge_through_provider(
             tracing::warn!(payment = %payment_id, why = %why, "the provider's answer is unknown; the retry asks again under the same key");
             Err(tx.outcome_unknown(call).await.into())
         }
+        Err(ProviderError::NoAnswer(why)) => {
+            tracing::warn!(payment = %payment_id, why = %why, "no answer from the provider; the retry asks again under the same key once the lease lapsed");
+            Err(tx.unanswered(call).into())
+        }
     }
 }
 
@@ -532,6 +536,10 @@ async fn refund_through_provider(
         Err(ProviderError::Unknown(why)) => {
             tracing::warn!(payment = %payment.id, why = %why, "the provider's answer to a refund is unknown; the retry asks again under the same key");
             Err(tx.outcome_unknown(call).await.into())
+        }
+        Err(ProviderError::NoAnswer(why)) => {
+            tracing::warn!(payment = %payment.id, why = %why, "no answer from the provider to a refund; the retry asks again once the lease lapsed");
+            Err(tx.unanswered(call).into())
         }
     }
 }

@@ -499,10 +499,11 @@ impl Tx {
         })
     }
 
-    /// Ends a [`Tx::foreign_call`] whose outcome is unknown (a timeout, a reset, `5xx`, `429`, the other
-    /// side's "in progress"): the record stays at its recovery point, its lease is given up so the client's
-    /// retry (or the completer) resumes at once with the same key, and the answer is `503 outcome-unknown`
-    /// with `Retry-After` — return it from the handler.
+    /// Ends a [`Tx::foreign_call`] whose outcome is unknown although the call is over at the other side (it
+    /// answered `5xx`, `429` or its own "in progress", or the connection was refused): the record stays at
+    /// its recovery point, its lease is given up so the client's retry (or the completer) resumes at once
+    /// with the same key, and the answer is `503 outcome-unknown` with `Retry-After` — return it from the
+    /// handler. After no answer at all use [`Tx::unanswered`].
     pub async fn outcome_unknown(&mut self, call: ForeignCall) -> Problem {
         let step = call.step.clone();
         drop(call);
@@ -522,6 +523,19 @@ impl Tx {
         Problem::new(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE)
             .detail("the other system's answer is unknown; retry with the same Idempotency-Key: the retry asks it again under the same key, so it acts at most once")
             .retry_after(1)
+    }
+
+    /// Ends a [`Tx::foreign_call`] that got no answer (a timeout, a reset): the call may still be in process
+    /// at the other side, so the lease is kept — it lapses one `IdempotencyConfig::lease` after its last
+    /// renewal, longer than any call — and only then may a retry or the completer call again with the same
+    /// key (two calls in process at once are what a provider without concurrent deduplication would charge
+    /// twice; `model/src/phases.rs`). The answer is `503 outcome-unknown` with `Retry-After` until then.
+    pub fn unanswered(&mut self, call: ForeignCall) -> Problem {
+        drop(call); // stops the renewals: the lease lapses on its own
+        let wait = self.1.as_ref().map_or(1, |ctx| u32::try_from(ctx.lease.as_secs().max(1)).unwrap_or(u32::MAX));
+        Problem::new(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE)
+            .detail("the other system did not answer; retry with the same Idempotency-Key after Retry-After: the retry asks it again under the same key, so it acts at most once")
+            .retry_after(wait)
     }
 
     /// Starts the second phase after a [`Tx::foreign_call`]: a new unit of work that holds the key's record

@@ -117,10 +117,12 @@ impl HttpPaymentProvider {
         let reply = match reply {
             Ok(reply) => reply,
             // no answer: a timeout, a reset, a refused connection (reqwest's text names the URL, no secret)
-            Err(e) => return Err(ProviderError::Unknown(e.without_url().to_string())),
+            // refused before anything was sent: nothing is in process at the provider
+            Err(e) if e.is_connect() => return Err(ProviderError::Unknown(e.without_url().to_string())),
+            Err(e) => return Err(ProviderError::NoAnswer(e.without_url().to_string())),
         };
         let status = reply.status().as_u16();
-        let text = reply.bytes().await.map_err(|e| ProviderError::Unknown(e.without_url().to_string()))?;
+        let text = reply.bytes().await.map_err(|e| ProviderError::NoAnswer(e.without_url().to_string()))?;
         match http_outcome(Some(status)) {
             CallOutcome::Succeeded => Ok((status, text)),
             CallOutcome::Refused => {

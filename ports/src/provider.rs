@@ -59,10 +59,15 @@ pub enum ProviderError {
         /// The provider's code (`card_declined`, `key_reused`, …).
         code: String,
     },
-    /// Nobody knows whether it happened (a timeout, a reset, `5xx`, `429`, the provider's own "in
-    /// progress"): call again later with the same key.
+    /// The provider answered without saying whether it happened (`5xx`, `429`, its own "in progress"), or
+    /// the call never reached it (a refused connection): nothing of this call is still in process there;
+    /// call again with the same key, at once.
     #[error("outcome unknown: {0}")]
     Unknown(String),
+    /// No answer (a timeout, a reset after sending): the call may still be in process at the provider.
+    /// Call again with the same key once the attempt's lease lapsed, which outlives any call.
+    #[error("no answer: {0}")]
+    NoAnswer(String),
 }
 
 /// A payment provider.

@@ -178,14 +178,15 @@ async fn a_decline_is_stored_and_replayed_never_asked_again() -> anyhow::Result<
 }
 
 /// Every answer whose outcome is unknown — a `500` before charging, the provider's own `409` in progress, a
-/// `429`, an answer later than the call's bound (after charging) — is `503 outcome-unknown`, leaves the
-/// payment pending, and the client's immediate retry resumes under the same downstream key: one charge at
-/// the provider per client key, one payment, one announcement.
+/// `429`, an answer later than the call's bound (after charging) — is `503 outcome-unknown` and leaves the
+/// payment pending; the client's retry resumes under the same downstream key (at once after an answer,
+/// once the lease lapsed after none): one charge at the provider per client key, one payment, one
+/// announcement.
 #[tokio::test]
 async fn unknown_outcomes_are_resumed_by_the_retry_with_one_charge() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
-    let base = instance(&db.store, &provider, Duration::from_millis(400), Duration::from_secs(30)).await?;
+    let base = instance(&db.store, &provider, Duration::from_millis(400), Duration::from_secs(1)).await?;
     let cases: [(&str, u16, u64); 4] = [("500", 500, 0), ("409", 409, 0), ("429", 429, 0), ("slow", 0, 800)];
     for (i, (name, fail, delay)) in cases.into_iter().enumerate() {
         let key = format!("provider-unknown-{name}");
@@ -202,7 +203,15 @@ async fn unknown_outcomes_are_resumed_by_the_retry_with_one_charge() -> anyhow::
             sqlx::query_scalar("SELECT count(*) FROM payment WHERE status = 'pending'").fetch_one(db.pool()).await?;
         assert_eq!(pending, 1, "{name}: the payment waits, pending");
         standin.delay_ms.store(0, SeqCst);
-        let retried = charge(&base, &key, &body).await?;
+        let mut retried = charge(&base, &key, &body).await?;
+        if delay > 0 {
+            // no answer: the call may still be in process at the provider, so the lease is kept
+            assert_eq!(retried.status, 409, "{name}: a retry before the lease lapsed: {}", retried.body);
+            while retried.status == 409 {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                retried = charge(&base, &key, &body).await?;
+            }
+        }
         assert_eq!(retried.status, 201, "{name}: {}", retried.body);
         assert_eq!(retried.body["status"], "captured");
         let replay = charge(&base, &key, &body).await?;
@@ -457,7 +466,7 @@ async fn webhooks_converge_with_the_api_whatever_their_order() -> anyhow::Result
 async fn a_refund_through_the_provider_is_retried_once_and_a_refusal_replayed() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
-    let base = instance(&db.store, &provider, Duration::from_millis(400), Duration::from_secs(30)).await?;
+    let base = instance(&db.store, &provider, Duration::from_millis(400), Duration::from_secs(1)).await?;
     let paid = charge(&base, "refund-base-1", &card("pm_card_visa", "20.00")).await?;
     assert_eq!(paid.status, 201);
     let payment = paid.body["id"].as_str().unwrap_or_default().to_owned();
@@ -481,7 +490,12 @@ async fn a_refund_through_the_provider_is_retried_once_and_a_refusal_replayed() 
     assert_eq!(standin.refunded_of("ch_1"), 700, "the provider refunded");
     assert_eq!(count_rows(&db, "SELECT count(*) FROM refund").await?, 0);
     standin.delay_ms.store(0, SeqCst);
-    let retried = refund("refund-lost-1", "7.00").await?;
+    let mut retried = refund("refund-lost-1", "7.00").await?;
+    while retried.0 == 409 {
+        // in flight until the unanswered attempt's lease lapsed
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        retried = refund("refund-lost-1", "7.00").await?;
+    }
     assert_eq!((retried.0, retried.1["refunded_amount"].as_str()), (201, Some("7.00")), "{}", retried.1);
     assert_eq!(standin.refunds_made.load(SeqCst), 1, "one refund at the provider");
     assert_eq!(count_rows(&db, "SELECT count(*) FROM refund").await?, 1);
