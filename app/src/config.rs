@@ -94,6 +94,9 @@ pub struct ProviderArgs {
 
 impl ProviderArgs {
     fn validate(&self, request_timeout: Duration) -> Result<(), String> {
+        if self.payment_provider_webhook_secret.is_some() && self.payment_provider_url.is_none() {
+            return Err("PAYMENT_PROVIDER_WEBHOOK_SECRET needs PAYMENT_PROVIDER_URL".into());
+        }
         if let Some(url) = &self.payment_provider_url {
             if !(url.starts_with("https://") || url.starts_with("http://")) {
                 return Err("PAYMENT_PROVIDER_URL must be an http(s) URL".into());
@@ -102,7 +105,9 @@ impl ProviderArgs {
                 return Err("PAYMENT_PROVIDER_URL needs PAYMENT_PROVIDER_API_KEY (or _FILE)".into());
             }
         }
-        if self.payment_provider_timeout.is_zero() || self.payment_provider_timeout >= request_timeout {
+        if self.payment_provider_url.is_some()
+            && (self.payment_provider_timeout.is_zero() || self.payment_provider_timeout >= request_timeout)
+        {
             return Err("PAYMENT_PROVIDER_TIMEOUT must be positive and below HTTP_REQUEST_TIMEOUT".into());
         }
         if idem_domain::usecases::PROVIDER_MAX_LEN < self.payment_provider_name.len()

@@ -215,7 +215,7 @@ mod tests {
     use idem_postgres::PoolSettings;
     use idem_postgres::cleanup::CleanupSettings;
 
-    const BASE: &[&str] = &["idem", "serve", "--database-url", "postgres://u:secret@h/db"];
+    const BASE: &[&str] = &["idem", "serve", "--database-url", "postgres://u:pw_not_shown_42@h/db"];
 
     fn serve_with(extra: &[&str]) -> Result<ServeArgs, String> {
         let keys: &[&str] = if extra.contains(&"--api-keys") { &[] } else { &["--api-keys", "m:key_0123456789ab"] };
@@ -384,7 +384,39 @@ mod tests {
         assert_eq!(args.dedup_ttl.ttl(), std::time::Duration::from_secs(72 * 3600));
         assert_eq!(args.orders.dlq_topic(), "orders.dlq");
         let shown = format!("{args:?}");
-        assert!(!shown.contains("secret") && !shown.contains("key_0123456789"), "{shown}");
+        assert!(!shown.contains("pw_not_shown_42") && !shown.contains("key_0123456789"), "{shown}");
+        let with_provider = serve_with(&[
+            "--payment-provider-url",
+            "https://provider.example",
+            "--payment-provider-api-key",
+            "sk_live_not_shown_1",
+            "--payment-provider-webhook-secret",
+            "whsec_not_shown_2",
+        ])
+        .expect("valid");
+        let shown = format!("{with_provider:?}");
+        assert!(!shown.contains("not_shown"), "{shown}");
+    }
+
+    #[test]
+    fn provider_settings_are_checked() {
+        refused(&["--payment-provider-url", "https://p.example"], "needs PAYMENT_PROVIDER_API_KEY");
+        refused(&["--payment-provider-url", "ftp://p.example", "--payment-provider-api-key", "k"], "http(s) URL");
+        refused(
+            &[
+                "--payment-provider-url",
+                "https://p",
+                "--payment-provider-api-key",
+                "k",
+                "--payment-provider-timeout",
+                "30s",
+            ],
+            "below HTTP_REQUEST_TIMEOUT",
+        );
+        refused(&["--payment-provider-webhook-secret", "s"], "needs PAYMENT_PROVIDER_URL");
+        refused(&["--completer-window", "30s"], "COMPLETER_WINDOW");
+        // without a provider its timeout is not checked against a short request timeout
+        assert!(serve_with(&["--http-request-timeout", "3s"]).is_ok());
     }
 
     #[test]
