@@ -370,8 +370,8 @@ struct PhaseContext {
     resume_at: Option<String>,
     /// The handler committed a first phase.
     entered: std::sync::atomic::AtomicBool,
-    /// The request, as the completer would re-send it.
-    request: StoredRequest,
+    /// The request, kept as cheap clones (shared buffers) until a first phase stores it for the completer.
+    request: (http::Method, http::Uri, Option<http::HeaderValue>, Bytes),
 }
 
 impl fmt::Debug for UnitOfWorkHandle {
@@ -460,7 +460,7 @@ impl Tx {
         let ctx = self.1.clone().ok_or_else(|| internal("Tx::foreign_call needs a request with an Idempotency-Key"))?;
         let mut uow = self.0.take().ok_or_else(|| internal("Tx::foreign_call twice without Tx::resume"))?;
         // the first hold keeps the request, so the completer can finish it if this process dies
-        let first_hold = PhaseHold { request: Some(ctx.request.clone()), ..ctx.hold(step) };
+        let first_hold = PhaseHold { request: Some(ctx.stored_request()), ..ctx.hold(step) };
         match uow.idempotency().hold(&ctx.scope, &ctx.key, &first_hold).await {
             Ok(true) => {}
             Ok(false) => return Err(taken_over()),
@@ -561,6 +561,17 @@ impl Tx {
 }
 
 impl PhaseContext {
+    /// The request as the completer re-sends it.
+    fn stored_request(&self) -> StoredRequest {
+        let (method, uri, content_type, body) = &self.request;
+        StoredRequest {
+            method: method.as_str().to_owned(),
+            uri: uri.path_and_query().map_or_else(|| uri.path().to_owned(), |p| p.as_str().to_owned()),
+            content_type: content_type.as_ref().and_then(|v| v.to_str().ok()).map(str::to_owned),
+            body: body.to_vec(),
+        }
+    }
+
     /// This attempt's hold on the record at `step`, its lease from now.
     fn hold(&self, step: &str) -> PhaseHold {
         let now = self.clock.now();
@@ -869,12 +880,12 @@ where
             attempt: *attempt,
             resume_at: resume_at.clone(),
             entered: std::sync::atomic::AtomicBool::new(false),
-            request: StoredRequest {
-                method: parts.method.as_str().to_owned(),
-                uri: parts.uri.path_and_query().map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned()),
-                content_type: parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_owned),
-                body: body.to_vec(),
-            },
+            request: (
+                parts.method.clone(),
+                parts.uri.clone(),
+                parts.headers.get(header::CONTENT_TYPE).cloned(),
+                body.clone(),
+            ),
         })
     });
     let claim = claim.map(|(c, ..)| c);

@@ -6,9 +6,12 @@
 //! - **inside the transaction** (the naive shape): the connection and the key's row are held for the call,
 //!   so the rate is at most pool / call time.
 //!
-//! Both in one run against the same PostgreSQL and the same stand-in provider (in process, deduplicating by
-//! `Idempotency-Key`), BENCH_SECONDS (5) each. Prints each rate, its ratio to clients / call time, and the
-//! ratio of the two. Run with `scripts/bench.sh phases`.
+//! - **the reference service** (`POST /payments` with a `payment_method`, the whole API: authentication,
+//!   the pending payment, the provider adapter speaking the JSON contract, the capture and its outbox row)
+//!   against the test library's stand-in provider answering after the same delay.
+//!
+//! All in one run against the same PostgreSQL, BENCH_SECONDS (5) each. Prints each rate, its ratio to
+//! clients / call time, and the ratio of the first two. Run with `scripts/bench.sh phases`.
 
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::disallowed_methods)]
 
@@ -131,5 +134,53 @@ async fn main() -> anyhow::Result<()> {
         rates.push(summary.rate());
     }
     println!("in phases / inside the transaction: {:.1}x", rates[0] / rates[1].max(1e-9));
+
+    // the reference service's own charges through its provider adapter
+    let (standin, standin_url) = idem_tests::provider::start("sk_bench_provider").await?;
+    standin.delay_ms.store(call_ms, std::sync::atomic::Ordering::SeqCst);
+    let api = reference_service(&store, &standin_url).await?;
+    let name = "the reference service";
+    let slice = common::load::phase(&api, clients, Duration::from_secs(seconds), move |w, i| {
+        let body = serde_json::json!({
+            "order_id": uuid::Uuid::now_v7(), "customer_id": uuid::Uuid::now_v7(), "amount": "12.34",
+            "currency": "EUR", "payment_method": "pm_card_visa",
+        });
+        (format!("ref-{w}-{i}-{}", uuid::Uuid::new_v4().simple()), body.to_string())
+    })
+    .await;
+    let summary = slice.summary(name);
+    println!(
+        "{name:<24} {:>8.0} charges/s ({:.2} of clients / call time), p50 {:.0} ms, p99 {:.0} ms, {} failed; {} charges at the provider",
+        summary.rate(),
+        summary.rate() / ceiling,
+        summary.p50.as_secs_f64() * 1000.0,
+        summary.p99.as_secs_f64() * 1000.0,
+        summary.errors,
+        standin.charges.load(std::sync::atomic::Ordering::SeqCst),
+    );
     Ok(())
+}
+
+/// The payments API with the stand-in provider at `provider`, as `idem serve` wires it.
+async fn reference_service(store: &idem_postgres::PgStore, provider: &str) -> anyhow::Result<String> {
+    let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
+    let provider = idem_http::provider::HttpPaymentProvider::new(
+        "standin",
+        provider,
+        "sk_bench_provider",
+        Duration::from_secs(5),
+    )?;
+    let state = idem_http::ApiState {
+        tm: tm.clone(),
+        payments_of: idem_postgres::payments_of,
+        clock: Arc::new(SystemClock),
+        ids: Arc::new(idem_ports::UuidV7Generator),
+        payments_topic: "payments".into(),
+        provider: Some(Arc::new(provider)),
+    };
+    let ttl = idem_domain::TtlPolicy::new(Duration::from_secs(48 * 3600))?;
+    let config = IdempotencyConfig::new(ttl, idem_http::merchant_scope());
+    let keys = idem_http::ApiKeys::parse(&format!("bench:{}", common::API_KEY)).map_err(anyhow::Error::msg)?;
+    let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), config);
+    idem_tests::serve(idem_http::router(state, Arc::new(keys), layer)).await
 }
