@@ -78,6 +78,33 @@ impl StandIn {
     }
 }
 
+type Answer = (StatusCode, Json<Value>);
+
+fn error(status: StatusCode, kind: &str, code: &str) -> Answer {
+    (status, Json(json!({"error": {"type": kind, "code": code}})))
+}
+
+impl StandIn {
+    /// What every call goes through first: counted, authenticated, keyed, and failed when told to.
+    fn admit(&self, headers: &HeaderMap) -> Result<String, Answer> {
+        self.calls.fetch_add(1, SeqCst);
+        let bearer = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        if bearer != Some(self.api_key.as_str()) {
+            return Err(error(StatusCode::UNAUTHORIZED, "authentication_error", "invalid_api_key"));
+        }
+        let Some(key) = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_owned) else {
+            return Err(error(StatusCode::BAD_REQUEST, "invalid_request_error", "idempotency_key_missing"));
+        };
+        if self.failures.load(SeqCst) > 0 {
+            self.failures.fetch_sub(1, SeqCst);
+            let status =
+                StatusCode::from_u16(self.fail_status.load(SeqCst)).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            return Err(error(status, "api_error", "injected"));
+        }
+        Ok(key)
+    }
+}
+
 /// Serves a stand-in provider accepting `api_key`; returns its state and base URL.
 pub async fn start(api_key: &str) -> anyhow::Result<(Arc<StandIn>, String)> {
     let state = Arc::new(StandIn { api_key: api_key.to_owned(), ..StandIn::default() });
@@ -93,21 +120,10 @@ async fn charge(
     headers: HeaderMap,
     Json(params): Json<Value>,
 ) -> (StatusCode, Json<Value>) {
-    p.calls.fetch_add(1, SeqCst);
-    let error =
-        |status: StatusCode, kind: &str, code: &str| (status, Json(json!({"error": {"type": kind, "code": code}})));
-    let bearer = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-    if bearer != Some(p.api_key.as_str()) {
-        return error(StatusCode::UNAUTHORIZED, "authentication_error", "invalid_api_key");
-    }
-    let Some(key) = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_owned) else {
-        return error(StatusCode::BAD_REQUEST, "invalid_request_error", "idempotency_key_missing");
+    let key = match p.admit(&headers) {
+        Ok(key) => key,
+        Err(refusal) => return refusal,
     };
-    if p.failures.load(SeqCst) > 0 {
-        p.failures.fetch_sub(1, SeqCst);
-        let status = StatusCode::from_u16(p.fail_status.load(SeqCst)).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        return error(status, "api_error", "injected");
-    }
     let answer = {
         let Ok(mut answers) = p.answers.lock() else {
             return error(StatusCode::INTERNAL_SERVER_ERROR, "api_error", "poisoned");
@@ -143,21 +159,10 @@ async fn refund(
     headers: HeaderMap,
     Json(params): Json<Value>,
 ) -> (StatusCode, Json<Value>) {
-    p.calls.fetch_add(1, SeqCst);
-    let error =
-        |status: StatusCode, kind: &str, code: &str| (status, Json(json!({"error": {"type": kind, "code": code}})));
-    let bearer = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-    if bearer != Some(p.api_key.as_str()) {
-        return error(StatusCode::UNAUTHORIZED, "authentication_error", "invalid_api_key");
-    }
-    let Some(key) = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_owned) else {
-        return error(StatusCode::BAD_REQUEST, "invalid_request_error", "idempotency_key_missing");
+    let key = match p.admit(&headers) {
+        Ok(key) => key,
+        Err(refusal) => return refusal,
     };
-    if p.failures.load(SeqCst) > 0 {
-        p.failures.fetch_sub(1, SeqCst);
-        let status = StatusCode::from_u16(p.fail_status.load(SeqCst)).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        return error(status, "api_error", "injected");
-    }
     let charge = params["charge"].as_str().unwrap_or_default().to_owned();
     let charged = p
         .answers

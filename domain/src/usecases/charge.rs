@@ -221,6 +221,18 @@ fn captured_message(
     payment: &PaymentRecord,
     now: chrono::DateTime<chrono::Utc>,
 ) -> NewOutboxMessage {
+    announce_capture(env, payment, cmd.saga_id, cmd.traceparent.clone(), now)
+}
+
+/// The `PaymentCaptured` announcement of `payment`, keyed by its order (recorded, or captured through the
+/// provider).
+pub(super) fn announce_capture(
+    env: Env<'_>,
+    payment: &PaymentRecord,
+    saga_id: Option<Uuid>,
+    traceparent: Option<String>,
+    now: chrono::DateTime<chrono::Utc>,
+) -> NewOutboxMessage {
     NewOutboxMessage {
         id: env.ids.new_id(),
         topic: env.payments_topic.to_owned(),
@@ -228,8 +240,8 @@ fn captured_message(
         aggregate_id: payment.order_id.to_string(),
         event_type: "PaymentCaptured".into(),
         payload: crate::wire::payment_captured(payment),
-        saga_id: cmd.saga_id,
-        traceparent: cmd.traceparent.clone(),
+        saga_id,
+        traceparent,
         created_at: now,
     }
 }

@@ -5,10 +5,7 @@
 //! one payment: the provider echoes idem's payment id as the charge's `reference`, and
 //! `UNIQUE (provider, external_payment_id)` refuses a second payment with the same charge.
 
-use chrono::{DateTime, Utc};
-use idem_ports::{
-    ChargeRequest, NewOutboxMessage, NewPendingPayment, PaymentRecord, PaymentStatus, PaymentUnitOfWork, StoreError,
-};
+use idem_ports::{ChargeRequest, NewPendingPayment, PaymentRecord, PaymentStatus, PaymentUnitOfWork, StoreError};
 use rust_decimal::Decimal;
 use thiserror::Error;
 use uuid::Uuid;
@@ -207,7 +204,7 @@ pub async fn capture_charge(
     let Some(payment) = uow.payments().capture(id, charge_id, now).await? else {
         return Err(ProviderChargeError::NotFound(id)); // locked above: cannot happen
     };
-    uow.outbox().enqueue(&captured_message(env, &payment, traceparent, now)).await?;
+    uow.outbox().enqueue(&super::charge::announce_capture(env, &payment, None, traceparent, now)).await?;
     Ok(Capture::Now(payment))
 }
 
@@ -221,25 +218,6 @@ pub async fn decline_charge(
         return Ok(p);
     }
     uow.payments().get_for_update(id, None).await?.ok_or(ProviderChargeError::NotFound(id))
-}
-
-fn captured_message(
-    env: Env<'_>,
-    payment: &PaymentRecord,
-    traceparent: Option<String>,
-    now: DateTime<Utc>,
-) -> NewOutboxMessage {
-    NewOutboxMessage {
-        id: env.ids.new_id(),
-        topic: env.payments_topic.to_owned(),
-        aggregate_type: "payment".into(),
-        aggregate_id: payment.order_id.to_string(),
-        event_type: "PaymentCaptured".into(),
-        payload: crate::wire::payment_captured(payment),
-        saga_id: None,
-        traceparent,
-        created_at: now,
-    }
 }
 
 #[cfg(test)]
