@@ -342,6 +342,8 @@ where
             let mut response = handle(shared.clone(), inner, req).await;
             if let Some(LayerOutcome(outcome)) = response.extensions_mut().remove::<LayerOutcome>() {
                 shared.metrics.outcome(outcome);
+                // on the request's span (`crate::trace::server_span` declares the field)
+                tracing::Span::current().record("idempotency.outcome", outcome);
             }
             Ok(response)
         })
@@ -391,6 +393,8 @@ pub struct ForeignCall {
     key: String,
     step: String,
     renewal: tokio::task::JoinHandle<()>,
+    /// The call's span: from the first phase's commit to the second phase (or the answer without one).
+    span: tracing::Span,
 }
 
 impl ForeignCall {
@@ -398,6 +402,12 @@ impl ForeignCall {
     /// attempt of this request, on every instance, after any restart ([`idem_domain::phases::downstream_key`]).
     pub fn key(&self) -> &str {
         &self.key
+    }
+
+    /// The call's span: instrument the call with it (`.instrument(call.span().clone())`) so the client's
+    /// own spans (an HTTP client's) are its children.
+    pub fn span(&self) -> &tracing::Span {
+        &self.span
     }
 }
 
@@ -496,6 +506,7 @@ impl Tx {
             key: idem_domain::phases::downstream_key(&ctx.scope, &ctx.key, step),
             step: step.to_owned(),
             renewal,
+            span: tracing::debug_span!("foreign call", otel.kind = "internal", step, attempt = ctx.attempt),
         })
     }
 

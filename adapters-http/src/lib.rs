@@ -16,6 +16,7 @@ pub mod problem;
 pub mod provider;
 pub mod quota;
 pub mod server;
+pub mod trace;
 pub mod webhooks;
 
 use std::sync::Arc;

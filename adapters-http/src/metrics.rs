@@ -7,8 +7,9 @@ use axum::middleware::Next;
 use axum::response::Response;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::exemplar::HistogramWithExemplars;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::histogram::exponential_buckets;
 use prometheus_client::registry::Registry;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -38,10 +39,17 @@ pub struct OutcomeLabels {
     pub outcome: &'static str,
 }
 
-type Histograms = Family<RouteLabels, Histogram, fn() -> Histogram>;
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+/// The exemplar of a latency observation: the trace it belongs to (when tracing is on and it was sampled).
+pub struct TraceLabel {
+    /// 32 hexadecimal digits.
+    pub trace_id: String,
+}
 
-fn latency_histogram() -> Histogram {
-    Histogram::new(exponential_buckets(0.0005, 2.0, 14))
+type Histograms = Family<RouteLabels, HistogramWithExemplars<TraceLabel>, fn() -> HistogramWithExemplars<TraceLabel>>;
+
+fn latency_histogram() -> HistogramWithExemplars<TraceLabel> {
+    HistogramWithExemplars::new(exponential_buckets(0.0005, 2.0, 14))
 }
 
 /// The HTTP adapter's metrics; cheap to clone (shared counters).
@@ -49,7 +57,7 @@ fn latency_histogram() -> Histogram {
 pub struct HttpMetrics {
     /// Requests by method, route and status.
     pub requests: Family<RequestLabels, Counter>,
-    /// Latency by route.
+    /// Latency by route, each bucket's exemplar the trace of its last sampled request.
     pub duration: Histograms,
     /// What the idempotency layer did.
     pub idempotency: Family<OutcomeLabels, Counter>,
@@ -90,12 +98,15 @@ pub async fn track(State(metrics): State<HttpMetrics>, req: Request, next: Next)
     let route = req.extensions().get::<MatchedPath>().map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
     let method = req.method().as_str().to_owned();
     let start = Instant::now();
+    let span = tracing::Span::current();
+    span.record("http.route", route.as_str());
     let response = next.run(req).await;
     let status = response.status().as_u16();
+    let exemplar = idem_ports::trace::trace_id_of(&span).map(|trace_id| TraceLabel { trace_id });
     metrics
         .duration
         .get_or_create(&RouteLabels { method: method.clone(), route: route.clone() })
-        .observe(start.elapsed().as_secs_f64());
+        .observe(start.elapsed().as_secs_f64(), exemplar);
     metrics.requests.get_or_create(&RequestLabels { method, route, status }).inc();
     response
 }

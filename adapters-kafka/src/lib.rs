@@ -13,6 +13,7 @@ pub mod partitioner;
 pub mod probe;
 pub mod producer;
 pub mod relay;
+pub mod trace;
 
 pub use client::{ConsumerSettings, KafkaConnection, ProducerSettings};
 pub use producer::{EventProducer, Sent};

@@ -212,7 +212,15 @@ impl std::fmt::Debug for Relay {
     }
 }
 
-fn record_headers(row: &OutboxRecord) -> OwnedHeaders {
+/// The publish span of `row` and its message's headers: idem's, then the row's own with the publish span's
+/// trace context ([`crate::trace::message_headers`]).
+fn record_headers(row: &OutboxRecord) -> (tracing::Span, OwnedHeaders) {
+    let span = crate::trace::producer_span(row);
+    let headers = crate::trace::message_headers(idem_headers(row), row, &span);
+    (span, headers)
+}
+
+fn idem_headers(row: &OutboxRecord) -> OwnedHeaders {
     let id = row.id.to_string();
     let saga = row.saga_id.map(|s| s.to_string());
     let mut headers = OwnedHeaders::new()
@@ -222,9 +230,6 @@ fn record_headers(row: &OutboxRecord) -> OwnedHeaders {
         .insert(Header { key: wire::CONTENT_TYPE, value: Some(idem_domain::wire::JSON.as_bytes()) });
     if let Some(saga) = &saga {
         headers = headers.insert(Header { key: wire::SAGA_ID, value: Some(saga.as_bytes()) });
-    }
-    for (k, v) in &row.headers {
-        headers = headers.insert(Header { key: k, value: Some(v.as_bytes()) });
     }
     headers
 }
@@ -460,7 +465,7 @@ async fn publish<'r>(producer: &FutureProducer, rows: &'r [OutboxRecord]) -> Pub
             continue;
         }
         let payload = row.payload.as_str();
-        let headers = record_headers(row);
+        let (_span, headers) = record_headers(row);
         let delivery = loop {
             let record = FutureRecord::to(&row.topic).key(&row.aggregate_id).payload(payload).headers(headers.clone());
             match producer.send_result(record) {
@@ -556,8 +561,8 @@ impl Failures {
 
 /// Sends one row and waits for its delivery report.
 async fn send_alone(producer: &FutureProducer, row: &OutboxRecord) -> Result<(), KafkaError> {
-    let record =
-        FutureRecord::to(&row.topic).key(&row.aggregate_id).payload(row.payload.as_str()).headers(record_headers(row));
+    let (_span, headers) = record_headers(row);
+    let record = FutureRecord::to(&row.topic).key(&row.aggregate_id).payload(row.payload.as_str()).headers(headers);
     producer.send(record, Duration::from_secs(30)).await.map(|_| ()).map_err(|(e, _)| e)
 }
 

@@ -492,8 +492,15 @@ impl PgStore {
 
     /// Begins a transaction, typed (for adapters' own use and tests).
     pub async fn begin_pg(&self) -> Result<PgUnitOfWork, StoreError> {
+        let span = tracing::debug_span!(
+            "unit of work",
+            otel.kind = "internal",
+            db.system.name = "postgresql",
+            outcome = tracing::field::Empty
+        );
         let tx = self.transactions.begin().await.map_err(map_sqlx_error)?;
         Ok(PgUnitOfWork {
+            span,
             tx,
             dedup: self.dedup,
             outbox_signal: self.outbox_signal.clone(),
@@ -571,6 +578,9 @@ pub struct PgUnitOfWork {
     /// The application had the connection ([`PgUnitOfWork::connection`]): its statements' errors are not
     /// seen here, so the commit checks the transaction first.
     unchecked: bool,
+    /// The unit's span, from `BEGIN` to its end (`outcome`: committed, rolled back, refused; none when dropped:
+    /// rolled back). A debug span: exported when tracing is on, free otherwise.
+    span: tracing::Span,
 }
 
 impl PgUnitOfWork {
@@ -644,25 +654,29 @@ impl UnitOfWork for PgUnitOfWork {
         self
     }
     async fn commit(self: Box<Self>) -> Result<(), StoreError> {
-        let Self { mut tx, outbox_signal, wrote_outbox, aborted, unchecked, .. } = *self;
+        let Self { mut tx, outbox_signal, wrote_outbox, aborted, unchecked, span, .. } = *self;
         // PostgreSQL answers COMMIT of an aborted transaction with the tag ROLLBACK and no error, and sqlx
         // does not read the tag: a unit whose error was swallowed would be reported as committed.
         let alive = !aborted && (!unchecked || sqlx::query("SELECT 1").execute(tx.connection()).await.is_ok());
         if !alive {
             let _ = tx.rollback().await;
+            span.record("outcome", "refused");
             return Err(StoreError::Other(
                 "SQLSTATE 25P02 (in_failed_sql_transaction): the transaction was aborted by an earlier failed \
                  statement whose error was not returned: rolled back, nothing committed"
                     .into(),
             ));
         }
-        tx.commit().await.map_err(map_sqlx_error)?;
+        let committed = tx.commit().await;
+        span.record("outcome", if committed.is_ok() { "committed" } else { "commit failed" });
+        committed.map_err(map_sqlx_error)?;
         if wrote_outbox {
             outbox_signal.committed();
         }
         Ok(())
     }
     async fn rollback(self: Box<Self>) -> Result<(), StoreError> {
+        self.span.record("outcome", "rolled back");
         self.tx.rollback().await.map_err(map_sqlx_error)
     }
 }

@@ -6,6 +6,7 @@ mod demo;
 mod operate;
 mod ops;
 mod serve;
+mod telemetry;
 
 use std::process::ExitCode;
 
@@ -65,15 +66,8 @@ struct CleanupArgs {
     pace: config::CleanupPace,
 }
 
-fn init_tracing(json: bool) {
-    use tracing_subscriber::{EnvFilter, fmt};
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    if json {
-        builder.json().flatten_event(true).init();
-    } else {
-        builder.init();
-    }
+fn init_tracing(json: bool) -> telemetry::Telemetry {
+    telemetry::init(json)
 }
 
 async fn connect(db: &DbArgs) -> anyhow::Result<PgStore> {

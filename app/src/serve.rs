@@ -56,7 +56,7 @@ fn http_limits(args: &ServeArgs) -> idem_http::server::ServerLimits {
 /// both listeners (a taken port fails the start before a single message is touched), build the API, the
 /// order consumer and the cleaner, start the background work, then serve until the shutdown signal.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    init_tracing(args.log_json);
+    let telemetry = init_tracing(args.log_json);
     args.validate().map_err(anyhow::Error::msg)?;
     let cluster = args.kafka.connection()?;
     tracing::info!(config = ?args, "starting idem");
@@ -66,6 +66,10 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     cancel_on_signal(shutdown.clone());
     let mut registry = Registry::default();
+    telemetry.stats.register(&mut registry);
+    if telemetry.exporting() {
+        tracing::info!("exporting traces over OTLP");
+    }
 
     let api = api(&args, &stores.api, &checked, &mut registry)?;
     let completer = completer(&args, &stores.api, &api, &mut registry);
@@ -98,6 +102,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let result = group.wait(args.shutdown_timeout).await;
     stores.close().await;
     tracing::info!("stopped");
+    telemetry.shutdown();
     result
 }
 
@@ -369,11 +374,17 @@ impl Listeners {
             probe.probe_readiness_until(token, ops::READINESS_EVERY).await;
             Ok(())
         });
-        let app = api.merge(ops::public_router()).layer(TraceLayer::new_for_http().make_span_with(
-            |req: &axum::http::Request<axum::body::Body>| {
-                tracing::info_span!("request", method = %req.method(), path = %req.uri().path())
-            },
-        ));
+        let app = api.merge(ops::public_router()).layer(
+            TraceLayer::new_for_http()
+                .make_span_with(|req: &axum::http::Request<axum::body::Body>| idem_http::trace::server_span(req))
+                .on_response(
+                    |response: &axum::http::Response<axum::body::Body>,
+                     _latency: std::time::Duration,
+                     span: &tracing::Span| {
+                        idem_http::trace::record_response(response.status(), span)
+                    },
+                ),
+        );
         tracing::info!(addr = %self.admin.local_addr()?, "admin listener (readyz, metrics)");
         let (token, admin, listener) = (shutdown.clone(), ops::router(ops), self.admin);
         let limits = http_limits(args);
@@ -392,7 +403,7 @@ impl Listeners {
 }
 
 pub async fn relay_only(args: RelayOnlyArgs) -> anyhow::Result<()> {
-    init_tracing(args.log_json);
+    let telemetry = init_tracing(args.log_json);
     let cluster = args.kafka.connection()?;
     let store = connect(&args.db).await?;
     store.migrate_reference().await.context("applying migrations")?;
@@ -407,5 +418,6 @@ pub async fn relay_only(args: RelayOnlyArgs) -> anyhow::Result<()> {
         .context("LISTEN for outbox notifications")?;
     let result = group.wait(std::time::Duration::from_secs(20)).await;
     store.close().await;
+    telemetry.shutdown();
     result
 }

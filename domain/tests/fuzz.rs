@@ -36,6 +36,7 @@ fn event(payload: Vec<u8>, saga: Option<Uuid>) -> InboundEvent {
         offset: 0,
         key: None,
         payload,
+        headers: Vec::new(),
     }
 }
 

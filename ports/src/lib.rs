@@ -15,6 +15,7 @@ mod provider;
 mod records;
 mod repositories;
 mod runtime;
+pub mod trace;
 
 pub use error::{PublishError, StoreError};
 pub use inbound::{BatchError, EventHandler, HandlerError};

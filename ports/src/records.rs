@@ -409,6 +409,8 @@ pub struct InboundEvent {
     pub key: Option<Vec<u8>>,
     /// The raw message body.
     pub payload: Vec<u8>,
+    /// Every header of the message, in order (`event_id`, `event_type`, `traceparent`, …).
+    pub headers: Vec<(String, Vec<u8>)>,
 }
 
 /// An unpublished outbox row claimed by a relay.

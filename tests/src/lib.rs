@@ -413,6 +413,7 @@ pub mod effects;
 pub mod faulty;
 pub mod infra;
 pub mod kafka;
+pub mod otlp;
 pub mod provider;
 
 #[cfg(test)]

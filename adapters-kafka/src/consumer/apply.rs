@@ -138,7 +138,8 @@ impl Runner {
         }
         let duplicates = (events.len() - to_apply.len()) as u64;
         let batch: Vec<&InboundEvent> = to_apply.iter().map(|(_, e)| *e).collect();
-        match self.handler.handle_batch(uow.as_mut(), &batch).await {
+        let span = crate::trace::consumer_span(consumer, &self.settings.topic, &batch);
+        match tracing::Instrument::instrument(self.handler.handle_batch(uow.as_mut(), &batch), span).await {
             Ok(()) => {}
             Err(BatchError { error: HandlerError::Store(e), .. }) if e.is_transient() => {
                 return BatchOutcome::Transient(e);

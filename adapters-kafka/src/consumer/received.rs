@@ -59,6 +59,7 @@ impl Received {
             offset: self.offset,
             key: self.key.clone(),
             payload: self.payload.clone(),
+            headers: self.headers.clone(),
         })
     }
 }

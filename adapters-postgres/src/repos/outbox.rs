@@ -13,13 +13,27 @@ pub const OUTBOX_KEY_SHARDS: i64 = 64;
 /// share the keys. A claim that finds less than a full batch takes every shard it found.
 pub const SHARDS_PER_CLAIM: i64 = OUTBOX_KEY_SHARDS / 4;
 
+/// The trace context stored with a row (and sent with its message): the current span's when tracing is on
+/// (the request or the consumed event that wrote it, itself a child of its client's), else the client's
+/// `traceparent` the use case carried.
+fn trace_headers(m: &NewOutboxMessage, current: &[(String, String)]) -> serde_json::Value {
+    let mut headers = serde_json::Map::new();
+    if current.is_empty() {
+        if let Some(tp) = &m.traceparent {
+            headers.insert(idem_ports::trace::TRACEPARENT.into(), serde_json::Value::String(tp.clone()));
+        }
+    } else {
+        for (k, v) in current {
+            headers.insert(k.clone(), serde_json::Value::String(v.clone()));
+        }
+    }
+    serde_json::Value::Object(headers)
+}
+
 #[async_trait]
 impl OutboxRepository for PgUnitOfWork {
     async fn enqueue(&mut self, m: &NewOutboxMessage) -> Result<(), StoreError> {
-        let mut headers = serde_json::Map::new();
-        if let Some(tp) = &m.traceparent {
-            headers.insert("traceparent".into(), serde_json::Value::String(tp.clone()));
-        }
+        let headers = trace_headers(m, &idem_ports::trace::current_headers());
         self.wrote_outbox = true;
         sqlx::query!(
             r#"INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, headers,
@@ -31,7 +45,7 @@ impl OutboxRepository for PgUnitOfWork {
             m.aggregate_id,
             m.event_type,
             m.payload,
-            serde_json::Value::Object(headers),
+            headers,
             m.saga_id,
             m.created_at,
         )
@@ -45,13 +59,8 @@ impl OutboxRepository for PgUnitOfWork {
         if messages.is_empty() {
             return Ok(());
         }
-        let headers: Vec<serde_json::Value> = messages
-            .iter()
-            .map(|m| match &m.traceparent {
-                Some(tp) => serde_json::json!({ "traceparent": tp }),
-                None => serde_json::json!({}),
-            })
-            .collect();
+        let current = idem_ports::trace::current_headers();
+        let headers: Vec<serde_json::Value> = messages.iter().map(|m| trace_headers(m, &current)).collect();
         self.wrote_outbox = true;
         sqlx::query!(
             r#"INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, headers, saga_id,

@@ -369,6 +369,7 @@ mod tests {
             offset: 0,
             key: None,
             payload: payload.as_bytes().to_vec(),
+            headers: Vec::new(),
         }
     }
 

@@ -384,6 +384,7 @@ async fn an_order_cancellation_never_refunds_another_merchants_payment() -> anyh
         offset: version,
         key: Some(order.to_string().into_bytes()),
         payload: cancelled(order, version),
+        headers: Vec::new(),
     };
     let mut uow = db.store.begin().await?;
     handler().handle(uow.as_mut(), &cancel(2)).await.map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -550,6 +550,7 @@ async fn an_order_with_a_payment_method_is_charged_once_through_the_completer() 
         partition: 0,
         offset: 0,
         key: Some(order.to_string().into_bytes()),
+        headers: Vec::new(),
         payload:
             json!({"type": "OrderPlaced", "order_id": order, "customer_id": uuid::Uuid::now_v7(), "amount": "55.10",
                         "currency": "EUR", "payment_method": "pm_card_visa", "version": 1})

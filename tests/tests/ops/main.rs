@@ -7,6 +7,7 @@
 #[allow(dead_code)]
 #[path = "../faults/harness.rs"]
 mod harness;
+mod tracing;
 
 use std::collections::BTreeSet;
 use std::time::Duration;
