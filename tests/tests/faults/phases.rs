@@ -2,7 +2,7 @@
 //! provider charged, idem never recorded it. With no client retry the completer of the restarted service
 //! finishes the request; with a client retry the retry does (after the dead attempt's lease lapsed). Either
 //! way: one charge at the provider per client key, one captured payment, one announcement, and the
-//! client's answer is the payment.
+//! client's answer is the payment. A refund killed the same way and retried is one refund there and here.
 
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
@@ -109,9 +109,54 @@ async fn s13_kill9_between_the_phases_completer_or_retry_finishes_with_one_charg
     };
     assert_eq!((answer.0, answer.1["status"].as_str()), (201, Some("captured")), "{}", answer.1);
 
+    // 3. a refund killed between its phases (the provider refunded), retried after the restart
+    let payment = answer.1["id"].as_str().unwrap_or_default().to_owned();
+    let refund = |base: String| {
+        let payment = payment.clone();
+        async move {
+            let resp = reqwest::Client::builder()
+                .timeout(Duration::from_secs(10))
+                .build()?
+                .post(format!("{base}/payments/{payment}/refund"))
+                .bearer_auth(API_KEY)
+                .header("idempotency-key", "kill-refund-1")
+                .json(&json!({"amount": "5.00"}))
+                .send()
+                .await?;
+            let status = resp.status().as_u16();
+            Ok::<_, anyhow::Error>((status, resp.json::<Value>().await.unwrap_or(Value::Null)))
+        }
+    };
+    standin.delay_ms.store(1_500, SeqCst);
+    let calls = standin.calls.load(SeqCst);
+    let lost = tokio::spawn(refund(service.base.clone()));
+    while standin.calls.load(SeqCst) == calls {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    service.kill9();
+    assert!(lost.await?.is_err(), "the refund's client got no answer");
+    assert_eq!(standin.refunds_made.load(SeqCst), 1, "the provider refunded before the kill");
+    standin.delay_ms.store(0, SeqCst);
+    service.start().await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let refunded = loop {
+        let (status, body) = refund(service.base.clone()).await?;
+        if status != 409 {
+            break (status, body);
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the refund stayed in flight");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    assert_eq!((refunded.0, refunded.1["refunded_amount"].as_str()), (201, Some("5.00")), "{}", refunded.1);
+    assert_eq!(standin.refunds_made.load(SeqCst), 1, "one refund at the provider");
+    assert_eq!(count(&db, "SELECT count(*) FROM refund").await?, 1, "one refund in idem");
+
     assert_eq!(standin.charges.load(SeqCst), 2, "one charge at the provider per client key");
-    assert_eq!(count(&db, "SELECT count(*) FROM payment WHERE status = 'captured'").await?, 2);
-    assert_eq!(count(&db, "SELECT count(*) FROM payment WHERE status <> 'captured'").await?, 0);
+    assert_eq!(count(&db, "SELECT count(*) FROM payment WHERE status IN ('captured', 'partially_refunded')").await?, 2);
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM payment WHERE status NOT IN ('captured', 'partially_refunded')").await?,
+        0
+    );
     let captured: Vec<(String, i64)> =
         sqlx::query_as("SELECT external_payment_id, (amount * 100)::bigint FROM payment ORDER BY 1")
             .fetch_all(db.pool())
