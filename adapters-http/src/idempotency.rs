@@ -506,7 +506,11 @@ impl Tx {
             key: idem_domain::phases::downstream_key(&ctx.scope, &ctx.key, step),
             step: step.to_owned(),
             renewal,
-            span: tracing::debug_span!("foreign call", otel.kind = "internal", step, attempt = ctx.attempt),
+            span: if idem_ports::trace::current_sampled() {
+                tracing::debug_span!("foreign call", otel.kind = "internal", step, attempt = ctx.attempt)
+            } else {
+                tracing::Span::none()
+            },
         })
     }
 

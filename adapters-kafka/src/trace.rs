@@ -10,6 +10,9 @@ use rdkafka::message::{Header, OwnedHeaders};
 
 /// The `PRODUCER` span of publishing `row`, a child of the context stored with it.
 pub fn producer_span(row: &OutboxRecord) -> tracing::Span {
+    if trace::unsampled_parent(row.headers.iter().map(|(k, v)| (k.as_str(), v.as_bytes()))) {
+        return tracing::Span::none(); // the stored context goes out as it is
+    }
     let span = tracing::debug_span!(
         "publish",
         otel.name = %format_args!("{} publish", row.topic),
@@ -43,6 +46,9 @@ pub fn message_headers(mut headers: OwnedHeaders, row: &OutboxRecord, span: &tra
 /// The `CONSUMER` span of processing `events` (one transaction) of `group`: a child of the event's context
 /// when there is one event, linked to each event's context when a batch holds several.
 pub fn consumer_span(group: &str, topic: &str, events: &[&InboundEvent]) -> tracing::Span {
+    if !events.is_empty() && events.iter().all(|e| trace::unsampled_parent(headers(e))) {
+        return tracing::Span::none();
+    }
     let first = events.first();
     let span = tracing::debug_span!(
         "process",

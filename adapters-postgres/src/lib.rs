@@ -492,12 +492,17 @@ impl PgStore {
 
     /// Begins a transaction, typed (for adapters' own use and tests).
     pub async fn begin_pg(&self) -> Result<PgUnitOfWork, StoreError> {
-        let span = tracing::debug_span!(
-            "unit of work",
-            otel.kind = "internal",
-            db.system.name = "postgresql",
-            outcome = tracing::field::Empty
-        );
+        // under a sampled span only: background work (relay claims, cleanup, readiness) makes no traces
+        let span = if idem_ports::trace::current_sampled() {
+            tracing::debug_span!(
+                "unit of work",
+                otel.kind = "internal",
+                db.system.name = "postgresql",
+                outcome = tracing::field::Empty
+            )
+        } else {
+            tracing::Span::none()
+        };
         let tx = self.transactions.begin().await.map_err(map_sqlx_error)?;
         Ok(PgUnitOfWork {
             span,

@@ -97,7 +97,15 @@ pub fn init(json: bool) -> Telemetry {
         opentelemetry::global::set_text_map_propagator(opentelemetry_sdk::propagation::TraceContextPropagator::new());
         // idem's own debug spans (units of work, publishes, consumers), everything else from info
         let targets = Targets::new().with_default(LevelFilter::INFO).with_target("idem", LevelFilter::DEBUG);
-        tracing_opentelemetry::layer().with_tracer(p.tracer("idem")).with_filter(targets)
+        // no per-span source location, thread, target or busy/idle timings: each costs allocations or clock
+        // reads on every span, and the spans' own attributes say what they are
+        tracing_opentelemetry::layer()
+            .with_tracer(p.tracer("idem"))
+            .with_location(false)
+            .with_threads(false)
+            .with_target(false)
+            .with_tracked_inactivity(false)
+            .with_filter(targets)
     });
     let _ = tracing_subscriber::registry().with(fmt.with_filter(env_filter())).with(otel).try_init();
     Telemetry { provider, stats }

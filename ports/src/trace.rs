@@ -85,6 +85,20 @@ pub fn link_from<'a>(span: &tracing::Span, headers: impl Clone + Iterator<Item =
     }
 }
 
+/// Whether the current span belongs to a sampled trace: idem's own child spans (units of work, foreign
+/// calls) are created only then, so an unsampled request, or background work outside any request, costs
+/// no span of theirs.
+pub fn current_sampled() -> bool {
+    let span = tracing::Span::current();
+    !span.is_disabled() && span.context().span().span_context().is_sampled()
+}
+
+/// Whether `headers` carry a W3C `traceparent` whose trace was not sampled: a child of it would not be
+/// either (the parent-based sampler), so its span need not be made.
+pub fn unsampled_parent<'a>(mut headers: impl Iterator<Item = (&'a str, &'a [u8])>) -> bool {
+    headers.any(|(k, v)| k.eq_ignore_ascii_case(TRACEPARENT) && v.len() == 55 && v.ends_with(b"-00"))
+}
+
 /// The trace id of `span` (32 hexadecimal digits), if tracing is on: for log lines and exemplars.
 pub fn trace_id_of(span: &tracing::Span) -> Option<String> {
     let cx = span.context();

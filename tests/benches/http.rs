@@ -11,7 +11,7 @@
 //!
 //! Run with `scripts/bench.sh http` (builds the release binary and starts the services). Settings:
 //! BENCH_CONCURRENCY (8), BENCH_SECONDS (5, per slice), BENCH_ROUNDS (6), BENCH_PHASES (on,replay,off,idle;
-//! also pgbouncer, nofast, cleanup), IDEM_BIN (target/release/idem), DATABASE_URL. At size (`scripts/bench.sh scale`):
+//! also pgbouncer, nofast, cleanup, otel: traces exported with every trace sampled and one in a hundred), IDEM_BIN (target/release/idem), DATABASE_URL. At size (`scripts/bench.sh scale`):
 //! BENCH_PREFILL_ROWS (0) completed idempotency records written into the service's and the ceiling's tables
 //! first, spread over the 48 h retention, and BENCH_KEYS (v7, or v4: random keys as most clients send);
 //! with `cleanup` in BENCH_PHASES, BENCH_CLEANUP_PACES ("5000:5ms": rows per DELETE and pause, one cleanup
@@ -299,6 +299,21 @@ async fn cleanup_during_traffic(
     Ok((without.summary("charge, no cleanup running"), with.summary("charge while cleanup deletes"), expired, took))
 }
 
+/// An OTLP receiver (`idem_tests::otlp`) served by a runtime on a thread of its own, so decoding spans
+/// takes nothing from the load generator's thread.
+fn otlp_receiver() -> anyhow::Result<(std::sync::Arc<idem_tests::otlp::Receiver>, String)> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+        runtime.block_on(async move {
+            let started = idem_tests::otlp::start().await;
+            let _ = tx.send(started.map_err(|e| e.to_string()));
+            std::future::pending::<()>().await;
+        });
+    });
+    rx.recv()?.map_err(anyhow::Error::msg)
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     let Some((admin, _)) = common::bench_env() else { return Ok(()) };
@@ -320,6 +335,8 @@ async fn main() -> anyhow::Result<()> {
         "idem_bench_http_ceiling",
         "idem_bench_http_pgbouncer",
         "idem_bench_http_nofast",
+        "idem_bench_http_traced",
+        "idem_bench_http_sampled",
     ] {
         let db = fresh_database(&admin, name).await?;
         let store = idem_postgres::PgStore::connect(&db, &idem_postgres::PoolSettings::default()).await?;
@@ -328,6 +345,7 @@ async fn main() -> anyhow::Result<()> {
         dbs.push(db);
     }
     let (db, idle_db, ceiling_db, pooled_db, nofast_db) = (&dbs[0], &dbs[1], &dbs[2], &dbs[3], &dbs[4]);
+    let (traced_db, sampled_db) = (&dbs[5], &dbs[6]);
     let prefill_rows: u64 = env_or("BENCH_PREFILL_ROWS", 0);
     if prefill_rows > 0 {
         let started = Instant::now();
@@ -381,6 +399,25 @@ async fn main() -> anyhow::Result<()> {
     } else {
         None
     };
+    // Not in the default phases (`otel`): the same charges with traces exported over OTLP to a receiver on a
+    // thread of its own, every trace sampled, and one in a hundred; the `on` service is tracing off.
+    let receiver = if wanted("otel") { Some(otlp_receiver()?) } else { None };
+    let traced_svcs = match &receiver {
+        Some((_, endpoint)) => {
+            let env = |sampler: &'static str, arg: &'static str| {
+                [
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+                    ("OTEL_TRACES_SAMPLER", sampler),
+                    ("OTEL_TRACES_SAMPLER_ARG", arg),
+                ]
+            };
+            let all = common::start_service_with(&bin, traced_db, 18085, "on", &env("always_on", "1")).await?;
+            let some = common::start_service_with(&bin, sampled_db, 18086, "on", &env("traceidratio", "0.01")).await?;
+            Some((all, some))
+        }
+        None => None,
+    };
+    let (mut traced, mut sampled) = (Measured::default(), Measured::default());
     let (mut ceiling, mut on, mut quiet) = (Ceiling::default(), Measured::default(), Measured::default());
     let (mut pooled, mut nofast) = (Measured::default(), Measured::default());
     for _ in 0..rounds {
@@ -397,6 +434,14 @@ async fn main() -> anyhow::Result<()> {
         if let Some(svc) = &nofast_svc {
             charges_slice(svc, nofast_db, concurrency, duration, &mut nofast).await;
         }
+        if let Some((all, some)) = &traced_svcs {
+            charges_slice(all, traced_db, concurrency, duration, &mut traced).await;
+            charges_slice(some, sampled_db, concurrency, duration, &mut sampled).await;
+        }
+    }
+    drop(traced_svcs);
+    if let Some((spans, _)) = &receiver {
+        println!("the OTLP receiver took {} spans", spans.spans().len());
     }
     drop(pooled_svc);
     drop(bouncer);
@@ -445,12 +490,23 @@ async fn main() -> anyhow::Result<()> {
     let quiet_summary = wanted("idle").then(|| quiet.summary("charge, layer on, relay idle"));
     let pooled_summary = wanted("pgbouncer").then(|| pooled.summary("charge through PgBouncer (transaction)"));
     let nofast_summary = wanted("nofast").then(|| nofast.summary("charge, replay fast path off"));
-    let rows: Vec<Summary> =
-        [&on_summary, &replays, &off, &quiet_summary, &pooled_summary, &nofast_summary, &nofast_replays]
-            .into_iter()
-            .flatten()
-            .cloned()
-            .collect();
+    let traced_summary = wanted("otel").then(|| traced.summary("charge, traces exported, all sampled"));
+    let sampled_summary = wanted("otel").then(|| sampled.summary("charge, traces exported, 1 % sampled"));
+    let rows: Vec<Summary> = [
+        &on_summary,
+        &replays,
+        &off,
+        &quiet_summary,
+        &pooled_summary,
+        &nofast_summary,
+        &nofast_replays,
+        &traced_summary,
+        &sampled_summary,
+    ]
+    .into_iter()
+    .flatten()
+    .cloned()
+    .collect();
     print_table(&rows);
     let tps = ceiling.rate();
     println!("{:<44} {:>10} {:>8} {:>12.0}", "ceiling: same SQL transaction via pgbench", "-", "-", tps);
@@ -464,6 +520,13 @@ async fn main() -> anyhow::Result<()> {
     }
     if pooled_summary.is_some() {
         println!("slices (charges/s): through PgBouncer {}", rates(&pooled.rates));
+    }
+    if traced_summary.is_some() {
+        println!("slices (charges/s): traced, all sampled {}", rates(&traced.rates));
+        println!("slices (charges/s): traced, 1 % sampled {}", rates(&sampled.rates));
+        let sum = |m: &Measured| m.rates.iter().sum::<f64>();
+        println!("traced all sampled / tracing off = {:.3}", sum(&traced) / sum(&on).max(1e-9));
+        println!("traced 1 % sampled / tracing off = {:.3}  (target >= 0.97)", sum(&sampled) / sum(&on).max(1e-9));
     }
     let per_tx = |ms: f64| ms / ceiling.transactions.max(1.0);
     println!(
