@@ -213,14 +213,24 @@ pub async fn redrive(
 ) -> Result<(), rdkafka::error::KafkaError> {
     let source = to;
     let from = format!("{dlq_topic}/{}/{}", dead.partition, dead.offset);
+    // a `PRODUCER` span continuing the original message's trace; the re-driven copy carries its context
+    let original: Vec<(&str, &[u8])> = dead.original_headers().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+    let span = crate::trace::redrive_span(dlq_topic, to, original.iter().copied());
+    let context = idem_ports::trace::headers_of(&span);
+    let replaced =
+        |k: &str| !context.is_empty() && (k == idem_ports::trace::TRACEPARENT || k == idem_ports::trace::TRACESTATE);
     let mut headers = OwnedHeaders::new();
-    for (k, v) in dead.original_headers() {
-        headers = headers.insert(Header { key: k, value: Some(v) });
+    for (k, v) in original.iter().filter(|(k, _)| !replaced(k)) {
+        headers = headers.insert(Header { key: k, value: Some(*v) });
+    }
+    for (k, v) in &context {
+        headers = headers.insert(Header { key: k, value: Some(v.as_bytes()) });
     }
     headers = headers.insert(Header { key: REDRIVEN_FROM_HEADER, value: Some(from.as_bytes()) });
     let mut record = FutureRecord::to(source).payload(&dead.payload).headers(headers);
     if let Some(key) = &dead.key {
         record = record.key(key);
     }
-    producer.send(record, Duration::from_secs(30)).await.map(|_| ()).map_err(|(e, _)| e)
+    let sent = producer.send(record, Duration::from_secs(30));
+    tracing::Instrument::instrument(sent, span).await.map(|_| ()).map_err(|(e, _)| e)
 }

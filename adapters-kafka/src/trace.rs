@@ -80,6 +80,58 @@ pub fn consumer_span(group: &str, topic: &str, events: &[&InboundEvent]) -> trac
     span
 }
 
+/// The `PRODUCER` span of dead-lettering a message of `topic` to `dlq_topic` for `reason`, a child of the
+/// message's context.
+pub fn dead_letter_span<'a>(
+    topic: &str,
+    dlq_topic: &str,
+    reason: &str,
+    headers: impl Clone + Iterator<Item = (&'a str, &'a [u8])>,
+) -> tracing::Span {
+    if trace::unsampled_parent(headers.clone()) {
+        return tracing::Span::none();
+    }
+    let span = tracing::debug_span!(
+        "dead-letter",
+        otel.name = %format_args!("{dlq_topic} publish"),
+        otel.kind = "producer",
+        messaging.system = "kafka",
+        messaging.operation.type = "send",
+        messaging.destination.name = %dlq_topic,
+        dlq.original.topic = %topic,
+        dlq.reason = %reason,
+    );
+    if !span.is_disabled() {
+        trace::continue_from(&span, headers);
+    }
+    span
+}
+
+/// The `PRODUCER` span of re-driving a dead letter of `dlq_topic` to `to`, continuing the original
+/// message's context.
+pub fn redrive_span<'a>(
+    dlq_topic: &str,
+    to: &str,
+    headers: impl Clone + Iterator<Item = (&'a str, &'a [u8])>,
+) -> tracing::Span {
+    if trace::unsampled_parent(headers.clone()) {
+        return tracing::Span::none();
+    }
+    let span = tracing::debug_span!(
+        "redrive",
+        otel.name = %format_args!("{to} publish"),
+        otel.kind = "producer",
+        messaging.system = "kafka",
+        messaging.operation.type = "send",
+        messaging.destination.name = %to,
+        dlq.topic = %dlq_topic,
+    );
+    if !span.is_disabled() {
+        trace::continue_from(&span, headers);
+    }
+    span
+}
+
 fn headers(event: &InboundEvent) -> impl Clone + Iterator<Item = (&str, &[u8])> {
     event.headers.iter().map(|(k, v)| (k.as_str(), v.as_slice()))
 }

@@ -184,7 +184,12 @@ async fn main() -> ExitCode {
         Command::Cleanup(args) => cleanup_once(args).await,
         Command::Pay(args) => demo::pay(*args).await,
         Command::Demo(args) => demo::demo(*args).await,
-        Command::Dlq(command) => operate::dlq(*command).await,
+        Command::Dlq(command) => {
+            let telemetry = telemetry::init_traces_only();
+            let done = operate::dlq(*command).await;
+            telemetry.shutdown();
+            done
+        }
         Command::Outbox(command) => operate::outbox(command).await,
         Command::Keys(command) => operate::keys(command).await,
     };

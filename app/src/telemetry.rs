@@ -84,6 +84,18 @@ pub fn init(json: bool) -> Telemetry {
     let env_filter = || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let fmt = if json { fmt.json().flatten_event(true).boxed() } else { fmt.boxed() };
+    install(Some(fmt.with_filter(env_filter()).boxed()))
+}
+
+/// Installs tracing alone, when an endpoint is set (an operator's command whose output is its own: its
+/// re-drives are traced, nothing is logged).
+pub fn init_traces_only() -> Telemetry {
+    install(None)
+}
+
+type Boxed = Box<dyn tracing_subscriber::Layer<tracing_subscriber::Registry> + Send + Sync>;
+
+fn install(fmt: Option<Boxed>) -> Telemetry {
     let stats = Arc::new(ExportStats::default());
     let provider = endpoint().and_then(|_| match provider(stats.clone()) {
         Ok(p) => Some(p),
@@ -107,7 +119,7 @@ pub fn init(json: bool) -> Telemetry {
             .with_tracked_inactivity(false)
             .with_filter(targets)
     });
-    let _ = tracing_subscriber::registry().with(fmt.with_filter(env_filter())).with(otel).try_init();
+    let _ = tracing_subscriber::registry().with(fmt).with(otel).try_init();
     Telemetry { provider, stats }
 }
 

@@ -90,6 +90,13 @@ impl Runner {
         shutdown: &CancellationToken,
     ) -> bool {
         let m = &d.message;
+        let headers = m.headers.iter().map(|(k, v)| (k.as_str(), v.as_slice()));
+        let span = crate::trace::dead_letter_span(&m.topic, &self.settings.dlq_topic, d.reason, headers);
+        tracing::Instrument::instrument(self.send_dead_letter(producer, d, shutdown), span).await
+    }
+
+    async fn send_dead_letter(&self, producer: &FutureProducer, d: &DeadLetter, shutdown: &CancellationToken) -> bool {
+        let m = &d.message;
         // A dead letter that cannot fit is cut at once rather than refused first.
         let whole_size = m.payload.len()
             + m.key.as_ref().map_or(0, Vec::len)

@@ -29,6 +29,37 @@ fn of_kind<'a>(spans: &'a [ReceivedSpan], trace: &str, kind: &str) -> Vec<&'a Re
     spans.iter().filter(|s| s.trace_id == trace && s.kind == kind).collect()
 }
 
+/// The spans of one trace as an indented tree (README, "Observability").
+fn render(spans: &[ReceivedSpan]) -> String {
+    fn walk(spans: &[ReceivedSpan], parent: &str, depth: usize, out: &mut String) {
+        for s in spans.iter().filter(|s| s.parent_span_id == parent) {
+            let attrs: Vec<String> = s
+                .attributes
+                .iter()
+                .filter(|(k, _)| !k.starts_with("otel.") && k != "trace_id")
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            out.push_str(&format!(
+                "{}{} [{}] {}\n",
+                "  ".repeat(depth),
+                s.name,
+                s.kind.trim_start_matches("SPAN_KIND_").to_lowercase(),
+                attrs.join(" ")
+            ));
+            walk(spans, &s.span_id, depth + 1, out);
+        }
+    }
+    let ids: std::collections::BTreeSet<&str> = spans.iter().map(|s| s.span_id.as_str()).collect();
+    let mut out = String::new();
+    let roots: std::collections::BTreeSet<&str> =
+        spans.iter().filter(|s| !ids.contains(s.parent_span_id.as_str())).map(|s| s.parent_span_id.as_str()).collect();
+    for root in roots {
+        out.push_str(&format!("(remote parent {root})\n"));
+        walk(spans, root, 1, &mut out);
+    }
+    out
+}
+
 async fn charge(service: &Service, key: &str, traceparent: &str) -> anyhow::Result<u16> {
     let body = json!({"order_id": Uuid::now_v7(), "customer_id": Uuid::now_v7(), "provider": "otel",
                       "external_payment_id": format!("pi_{}", Uuid::now_v7().simple()), "amount": "10.00",
@@ -75,6 +106,7 @@ async fn one_trace_crosses_http_the_outbox_kafka_and_the_consumer() -> anyhow::R
     let publish = of_kind(&spans, trace, "SPAN_KIND_PRODUCER")[0];
     assert_eq!(publish.attribute("messaging.system"), Some("kafka"));
     assert_eq!(publish.attribute("messaging.destination.name"), Some(service.payments_topic.as_str()));
+    println!("{}", render(&receiver.trace(trace)));
     let messages = read_topic(&brokers, &service.payments_topic, 1, Duration::from_secs(20)).await?;
     let sent = messages[0].header("traceparent").unwrap_or_default();
     assert_eq!(&sent[3..35], trace, "the message carries the trace: {sent}");
@@ -108,6 +140,26 @@ async fn one_trace_crosses_http_the_outbox_kafka_and_the_consumer() -> anyhow::R
     assert_eq!(consumer.attribute("messaging.message.id"), Some(event_id.as_str()));
     let announced = of_kind(&spans, order_trace, "SPAN_KIND_PRODUCER")[0];
     assert_eq!(announced.attribute("messaging.destination.name"), Some(service.payments_topic.as_str()));
+
+    // a malformed event with a traceparent: its dead-lettering is a span of its trace
+    let (bad_trace, bad_span) = ("5bf92f3577b34da6a3ce929d0e0e4737", "10f067aa0ba902b8");
+    let traceparent = format!("00-{bad_trace}-{bad_span}-01");
+    let bad_id = Uuid::now_v7().to_string();
+    produce(
+        &p,
+        &service.orders_topic,
+        Some("not-an-order"),
+        b"{\"type\": \"Nonsense\"}",
+        &[("event_id", bad_id.as_bytes()), ("traceparent", traceparent.as_bytes())],
+    )
+    .await?;
+    let dead_letter = |x: &ReceivedSpan| x.trace_id == bad_trace && x.attribute("dlq.reason").is_some();
+    let spans = spans_where(&receiver, |s| s.iter().any(dead_letter)).await?;
+    let dead = spans.iter().find(|x| dead_letter(x)).expect("found");
+    assert_eq!(dead.kind, "SPAN_KIND_PRODUCER");
+    assert_eq!(dead.parent_span_id, bad_span);
+    assert_eq!(dead.attribute("dlq.reason"), Some("malformed"));
+    assert_eq!(dead.attribute("messaging.destination.name"), Some(format!("{}.dlq", service.orders_topic).as_str()));
     Ok(())
 }
 
