@@ -1,7 +1,7 @@
 //! The HTTP server span of a request (OpenTelemetry's HTTP semantic conventions): a child of the client's
 //! `traceparent`/`tracestate` when it sent them; the idempotency layer records what it did on it
 //! (`idempotency.outcome`), the metrics middleware its route, and [`record_response`] its status. Its
-//! `trace_id` field puts the trace on every log line of the request when tracing is on.
+//! `trace_id` and `span_id` fields put the trace on every log line of a sampled request.
 
 use axum::http::Request;
 
@@ -17,6 +17,7 @@ pub fn server_span<B>(req: &Request<B>) -> tracing::Span {
         http.response.status_code = tracing::field::Empty,
         idempotency.outcome = tracing::field::Empty,
         trace_id = tracing::field::Empty,
+        span_id = tracing::field::Empty,
     );
     if !span.is_disabled() {
         let headers: Vec<(&str, &[u8])> = [idem_ports::trace::TRACEPARENT, idem_ports::trace::TRACESTATE]
@@ -25,8 +26,9 @@ pub fn server_span<B>(req: &Request<B>) -> tracing::Span {
             .collect();
         idem_ports::trace::continue_from(&span, headers.into_iter());
     }
-    if let Some(id) = idem_ports::trace::trace_id_of(&span) {
-        span.record("trace_id", id);
+    if let Some((trace_id, span_id)) = idem_ports::trace::ids_of(&span) {
+        span.record("trace_id", trace_id);
+        span.record("span_id", span_id);
     }
     span
 }

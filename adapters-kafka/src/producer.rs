@@ -71,7 +71,11 @@ impl EventProducer {
         timeout: Duration,
     ) -> Result<Sent, KafkaError> {
         let id = event_id.to_string();
-        let headers = OwnedHeaders::new().insert(Header { key: EVENT_ID_HEADER, value: Some(id.as_bytes()) });
+        let mut headers = OwnedHeaders::new().insert(Header { key: EVENT_ID_HEADER, value: Some(id.as_bytes()) });
+        // the caller's trace continues in the message (nothing when tracing is off)
+        for (k, v) in idem_ports::trace::current_headers() {
+            headers = headers.insert(Header { key: &k, value: Some(v.as_bytes()) });
+        }
         let record = FutureRecord::to(topic).key(key).payload(payload).headers(headers);
         let delivery = self.producer.send(record, timeout).await.map_err(|(e, _)| e)?;
         Ok(Sent { event_id, partition: delivery.partition, offset: delivery.offset })

@@ -99,9 +99,17 @@ pub fn unsampled_parent<'a>(mut headers: impl Iterator<Item = (&'a str, &'a [u8]
     headers.any(|(k, v)| k.eq_ignore_ascii_case(TRACEPARENT) && v.len() == 55 && v.ends_with(b"-00"))
 }
 
-/// The trace id of `span` (32 hexadecimal digits), if tracing is on: for log lines and exemplars.
+/// The trace id of `span` (32 hexadecimal digits) when it is sampled: for log lines and exemplars.
 pub fn trace_id_of(span: &tracing::Span) -> Option<String> {
+    ids_of(span).map(|(trace, _)| trace)
+}
+
+/// The trace and span ids of `span` when it is sampled.
+pub fn ids_of(span: &tracing::Span) -> Option<(String, String)> {
+    if span.is_disabled() {
+        return None;
+    }
     let cx = span.context();
     let sc = cx.span().span_context().clone();
-    (sc.is_valid() && sc.is_sampled()).then(|| sc.trace_id().to_string())
+    (sc.is_valid() && sc.is_sampled()).then(|| (sc.trace_id().to_string(), sc.span_id().to_string()))
 }
