@@ -79,7 +79,7 @@ async fn charge(service: &Service, key: &str, traceparent: &str) -> anyhow::Resu
 /// span, the idempotency outcome on it), the unit of work, and the relay's `PRODUCER` span; the published
 /// message carries a `traceparent` of the trace. An order event produced with a `traceparent` yields the
 /// consumer's span in its trace, and the payment it announces is published in the same trace.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_trace_crosses_http_the_outbox_kafka_and_the_consumer() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let brokers = idem_tests::kafka_brokers().await?;
@@ -160,6 +160,19 @@ async fn one_trace_crosses_http_the_outbox_kafka_and_the_consumer() -> anyhow::R
     assert_eq!(dead.parent_span_id, bad_span);
     assert_eq!(dead.attribute("dlq.reason"), Some("malformed"));
     assert_eq!(dead.attribute("messaging.destination.name"), Some(format!("{}.dlq", service.orders_topic).as_str()));
+
+    // its re-drive (`idem dlq redrive`, a process of its own exporting to the same receiver) is a span of it too
+    // (the receiver runs on this test's runtime: the blocking wait for the command must not stop it)
+    let out = tokio::task::block_in_place(|| {
+        service.idem(&["dlq", "redrive", "--all-matching", "--reason", "malformed", "--json"])
+    })?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let redrive = |x: &ReceivedSpan| x.trace_id == bad_trace && x.attribute("dlq.topic").is_some();
+    let spans = spans_where(&receiver, |s| s.iter().any(redrive)).await?;
+    let redriven = spans.iter().find(|x| redrive(x)).expect("found");
+    assert_eq!(redriven.kind, "SPAN_KIND_PRODUCER");
+    assert_eq!(redriven.parent_span_id, bad_span, "the re-drive continues the original message's span");
+    assert_eq!(redriven.attribute("messaging.destination.name"), Some(service.orders_topic.as_str()));
     Ok(())
 }
 
