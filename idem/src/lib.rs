@@ -38,6 +38,8 @@ pub use pg_handler::{PgEventHandler, pg_runner};
 #[cfg(all(feature = "http", feature = "postgres"))]
 pub use pg_tx::PgTx;
 pub use tasks::TaskGroup;
+/// The shutdown token [`Background`], [`TaskGroup`] and the HTTP server share.
+pub use tokio_util::sync::CancellationToken;
 
 /// For implementing [`EventHandler`] (an `async_trait` trait) without depending on the crate yourself.
 pub use async_trait::async_trait;

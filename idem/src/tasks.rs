@@ -31,6 +31,33 @@ impl TaskGroup {
         self.shutdown.clone()
     }
 
+    /// Cancels the group's token on SIGINT (Ctrl-C) or SIGTERM (an orchestrator's stop), so [`Self::wait`]
+    /// drains every task: the HTTP server finishes its requests, consumers leave their groups, the relay
+    /// finishes its round.
+    pub fn stop_on_signal(&mut self) {
+        let token = self.shutdown.clone();
+        self.spawn("signals", async move {
+            #[cfg(unix)]
+            let term = async {
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(mut s) => {
+                        s.recv().await;
+                    }
+                    Err(_) => std::future::pending::<()>().await,
+                }
+            };
+            #[cfg(not(unix))]
+            let term = std::future::pending::<()>();
+            tokio::select! {
+                _ = token.cancelled() => return Ok(()),
+                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received, shutting down"),
+                _ = term => tracing::info!("SIGTERM received, shutting down"),
+            }
+            token.cancel();
+            Ok(())
+        });
+    }
+
     /// Runs `task` as `name`: it should end when the token is cancelled; ending earlier, or failing, stops
     /// the others.
     pub fn spawn<F>(&mut self, name: &'static str, task: F)
@@ -123,5 +150,31 @@ mod tests {
         group.spawn("stubborn", std::future::pending());
         token.cancel();
         assert!(group.wait(Duration::from_millis(50)).await.is_err());
+    }
+}
+
+#[cfg(all(test, unix))]
+mod signal_tests {
+    use super::*;
+
+    /// SIGTERM cancels the group's token: a task waiting for it ends, and the group ends cleanly.
+    #[tokio::test]
+    async fn sigterm_drains_the_group() {
+        let mut group = TaskGroup::new(CancellationToken::new());
+        group.stop_on_signal();
+        let token = group.token();
+        let drained = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen = drained.clone();
+        group.spawn("worker", async move {
+            token.cancelled().await;
+            seen.store(true, std::sync::atomic::Ordering::SeqCst);
+            Ok(())
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await; // the handler is installed
+        let sent = std::process::Command::new("kill").args(["-TERM", &std::process::id().to_string()]).status();
+        assert!(sent.is_ok_and(|s| s.success()), "kill -TERM");
+        let ended = tokio::time::timeout(Duration::from_secs(5), group.wait(Duration::from_secs(2))).await;
+        assert!(matches!(ended, Ok(Ok(()))), "{ended:?}");
+        assert!(drained.load(std::sync::atomic::Ordering::SeqCst), "the worker saw the cancellation");
     }
 }
