@@ -413,6 +413,19 @@ pub struct InboundEvent {
     pub headers: Vec<(String, Vec<u8>)>,
 }
 
+impl InboundEvent {
+    /// The value of the header `name` (the first, when repeated; names compared ignoring case).
+    pub fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_slice())
+    }
+
+    /// The `event_type` header idem's relay sends (the outbox row's type), for handlers that take several
+    /// kinds of event: dispatch on it instead of parsing every payload first.
+    pub fn event_type(&self) -> Option<&str> {
+        self.header("event_type").and_then(|v| std::str::from_utf8(v).ok())
+    }
+}
+
 /// An unpublished outbox row claimed by a relay.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OutboxRecord {
@@ -436,4 +449,26 @@ pub struct OutboxRecord {
     pub created_at: DateTime<Utc>,
     /// Failed publish attempts so far (quarantined after a bound).
     pub attempts: i32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_event_reads_its_headers_and_type() {
+        let event = InboundEvent {
+            event_id: Uuid::from_u128(1),
+            saga_id: None,
+            topic: "t".into(),
+            partition: 0,
+            offset: 0,
+            key: None,
+            payload: Vec::new(),
+            headers: vec![("Event_Type".into(), b"PaymentCaptured".to_vec()), ("x".into(), vec![0xff])],
+        };
+        assert_eq!(event.event_type(), Some("PaymentCaptured"));
+        assert_eq!(event.header("x"), Some(&[0xff][..]));
+        assert_eq!(event.header("missing"), None);
+    }
 }
