@@ -46,10 +46,13 @@ pub use async_trait::async_trait;
 
 /// The HTTP side: idempotency layer, unit-of-work extractor, problem+json, bounded server.
 #[cfg(feature = "http")]
+#[doc(inline)]
 pub use idem_http as http;
 /// The Kafka side: consumer runner, outbox relay, producers, client settings.
 #[cfg(feature = "kafka")]
+#[doc(inline)]
 pub use idem_kafka as kafka;
 /// The PostgreSQL side: store, unit of work, migrations, cleaner.
 #[cfg(feature = "postgres")]
+#[doc(inline)]
 pub use idem_postgres as postgres;
