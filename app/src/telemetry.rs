@@ -107,8 +107,13 @@ fn install(fmt: Option<Boxed>) -> Telemetry {
     });
     let otel = provider.as_ref().map(|p| {
         opentelemetry::global::set_text_map_propagator(opentelemetry_sdk::propagation::TraceContextPropagator::new());
-        // idem's own debug spans (units of work, publishes, consumers), everything else from info
-        let targets = Targets::new().with_default(LevelFilter::INFO).with_target("idem", LevelFilter::DEBUG);
+        // idem's own debug spans (units of work, publishes, consumers), everything else from info; the
+        // consumer runner's own `batch` span stays a log span (its CONSUMER spans, made in `idem_kafka::trace`,
+        // continue the messages' traces instead of starting one per batch)
+        let targets = Targets::new()
+            .with_default(LevelFilter::INFO)
+            .with_target("idem", LevelFilter::DEBUG)
+            .with_target("idem_kafka::consumer", LevelFilter::OFF);
         // no per-span source location, thread, target or busy/idle timings: each costs allocations or clock
         // reads on every span, and the spans' own attributes say what they are
         tracing_opentelemetry::layer()

@@ -138,6 +138,7 @@ async fn one_trace_crosses_http_the_outbox_kafka_and_the_consumer() -> anyhow::R
     assert_eq!(consumer.parent_span_id, producer_span, "the consumer continues the producer's span");
     assert_eq!(consumer.attribute("messaging.consumer.group.name"), Some(service.group.as_str()));
     assert_eq!(consumer.attribute("messaging.message.id"), Some(event_id.as_str()));
+    assert!(!spans.iter().any(|s| s.name == "batch"), "the runner's batch span is not exported (a trace per batch)");
     let announced = of_kind(&spans, order_trace, "SPAN_KIND_PRODUCER")[0];
     assert_eq!(announced.attribute("messaging.destination.name"), Some(service.payments_topic.as_str()));
 
