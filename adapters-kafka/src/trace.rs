@@ -10,21 +10,33 @@ use rdkafka::message::{Header, OwnedHeaders};
 
 /// The `PRODUCER` span of publishing `row`, a child of the context stored with it.
 pub fn producer_span(row: &OutboxRecord) -> tracing::Span {
-    if trace::unsampled_parent(row.headers.iter().map(|(k, v)| (k.as_str(), v.as_bytes()))) {
-        return tracing::Span::none(); // the stored context goes out as it is
+    // an unsampled stored context makes no span: the stored context goes out as it is
+    continuing(row.headers.iter().map(|(k, v)| (k.as_str(), v.as_bytes())), || {
+        tracing::debug_span!(
+            "publish",
+            otel.name = %format_args!("{} publish", row.topic),
+            otel.kind = "producer",
+            messaging.system = "kafka",
+            messaging.operation.type = "send",
+            messaging.destination.name = %row.topic,
+            messaging.kafka.message.key = %row.aggregate_id,
+            messaging.message.id = %row.id,
+        )
+    })
+}
+
+/// The span `make` makes, a child of the context `headers` carry; none when that context was not sampled
+/// (a child of it would not be either).
+fn continuing<'a>(
+    headers: impl Clone + Iterator<Item = (&'a str, &'a [u8])>,
+    make: impl FnOnce() -> tracing::Span,
+) -> tracing::Span {
+    if trace::unsampled_parent(headers.clone()) {
+        return tracing::Span::none();
     }
-    let span = tracing::debug_span!(
-        "publish",
-        otel.name = %format_args!("{} publish", row.topic),
-        otel.kind = "producer",
-        messaging.system = "kafka",
-        messaging.operation.type = "send",
-        messaging.destination.name = %row.topic,
-        messaging.kafka.message.key = %row.aggregate_id,
-        messaging.message.id = %row.id,
-    );
+    let span = make();
     if !span.is_disabled() {
-        trace::continue_from(&span, row.headers.iter().map(|(k, v)| (k.as_str(), v.as_bytes())));
+        trace::continue_from(&span, headers);
     }
     span
 }
@@ -88,23 +100,18 @@ pub fn dead_letter_span<'a>(
     reason: &str,
     headers: impl Clone + Iterator<Item = (&'a str, &'a [u8])>,
 ) -> tracing::Span {
-    if trace::unsampled_parent(headers.clone()) {
-        return tracing::Span::none();
-    }
-    let span = tracing::debug_span!(
-        "dead-letter",
-        otel.name = %format_args!("{dlq_topic} publish"),
-        otel.kind = "producer",
-        messaging.system = "kafka",
-        messaging.operation.type = "send",
-        messaging.destination.name = %dlq_topic,
-        dlq.original.topic = %topic,
-        dlq.reason = %reason,
-    );
-    if !span.is_disabled() {
-        trace::continue_from(&span, headers);
-    }
-    span
+    continuing(headers, || {
+        tracing::debug_span!(
+            "dead-letter",
+            otel.name = %format_args!("{dlq_topic} publish"),
+            otel.kind = "producer",
+            messaging.system = "kafka",
+            messaging.operation.type = "send",
+            messaging.destination.name = %dlq_topic,
+            dlq.original.topic = %topic,
+            dlq.reason = %reason,
+        )
+    })
 }
 
 /// The `PRODUCER` span of re-driving a dead letter of `dlq_topic` to `to`, continuing the original
@@ -114,22 +121,17 @@ pub fn redrive_span<'a>(
     to: &str,
     headers: impl Clone + Iterator<Item = (&'a str, &'a [u8])>,
 ) -> tracing::Span {
-    if trace::unsampled_parent(headers.clone()) {
-        return tracing::Span::none();
-    }
-    let span = tracing::debug_span!(
-        "redrive",
-        otel.name = %format_args!("{to} publish"),
-        otel.kind = "producer",
-        messaging.system = "kafka",
-        messaging.operation.type = "send",
-        messaging.destination.name = %to,
-        dlq.topic = %dlq_topic,
-    );
-    if !span.is_disabled() {
-        trace::continue_from(&span, headers);
-    }
-    span
+    continuing(headers, || {
+        tracing::debug_span!(
+            "redrive",
+            otel.name = %format_args!("{to} publish"),
+            otel.kind = "producer",
+            messaging.system = "kafka",
+            messaging.operation.type = "send",
+            messaging.destination.name = %to,
+            dlq.topic = %dlq_topic,
+        )
+    })
 }
 
 fn headers(event: &InboundEvent) -> impl Clone + Iterator<Item = (&str, &[u8])> {

@@ -85,6 +85,15 @@ fn error(status: StatusCode, kind: &str, code: &str) -> Answer {
 }
 
 impl StandIn {
+    /// Sends `answer` (a success or a refusal) after the configured delay.
+    async fn answer(&self, answer: Result<Value, Answer>) -> Answer {
+        tokio::time::sleep(Duration::from_millis(self.delay_ms.load(SeqCst))).await;
+        match answer {
+            Ok(answer) => (StatusCode::OK, Json(answer)),
+            Err(refusal) => refusal,
+        }
+    }
+
     /// What every call goes through first: counted, authenticated, keyed, and failed when told to.
     fn admit(&self, headers: &HeaderMap) -> Result<String, Answer> {
         self.calls.fetch_add(1, SeqCst);
@@ -145,11 +154,7 @@ async fn charge(
             }
         }
     };
-    tokio::time::sleep(Duration::from_millis(p.delay_ms.load(SeqCst))).await;
-    match answer {
-        Ok(answer) => (StatusCode::OK, Json(answer)),
-        Err(refusal) => refusal,
-    }
+    p.answer(answer).await
 }
 
 /// `POST /v1/refunds`: a refund of a charge made here, at most what is left of it; a repeated key with the
@@ -193,9 +198,5 @@ async fn refund(
             }
         }
     };
-    tokio::time::sleep(Duration::from_millis(p.delay_ms.load(SeqCst))).await;
-    match answer {
-        Ok(answer) => (StatusCode::OK, Json(answer)),
-        Err(refusal) => refusal,
-    }
+    p.answer(answer).await
 }
