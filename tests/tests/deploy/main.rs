@@ -400,7 +400,7 @@ use sqlx::Connection;
 /// Issue 38.5: every `/readyz` pinged the database and fetched broker metadata, so whoever reached an
 /// exposed admin listener made the service work (and with the database path frozen, each call took the
 /// ping's 2 s bound). It now serves the result of a background probe: with the path frozen, twenty calls
-/// are each answered at once, and within seconds they say the database is unreachable.
+/// are each answered at once, and within seconds one says the database is unreachable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_is_served_from_a_background_probe() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
@@ -415,17 +415,20 @@ async fn readiness_is_served_from_a_background_probe() -> anyhow::Result<()> {
     assert!(ok, "never ready");
     proxy.freeze();
     let mut slowest = Duration::ZERO;
-    let mut last = String::new();
+    let mut answers = Vec::new();
     for _ in 0..20 {
         let started = Instant::now();
         let reply = ready().await?;
         slowest = slowest.max(started.elapsed());
-        last = reply.text().await?;
+        answers.push(reply.text().await?);
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    println!("slowest /readyz with the database path frozen: {slowest:?}; last: {last}");
+    println!("slowest /readyz with the database path frozen: {slowest:?}; answers: {answers:?}");
     assert!(slowest < Duration::from_millis(500), "a /readyz took {slowest:?}: it probed the database itself");
-    assert!(last.contains("\"database\":\"unreachable\""), "{last}");
+    // the proxy freezes the connections open at the freeze and passes new ones, so once the pool has replaced
+    // its frozen connections the probe may say "ok" again: the probe must have noticed, not still say so
+    let noticed = answers.iter().position(|a| a.contains("\"database\":\"unreachable\""));
+    assert!(noticed.is_some(), "no /readyz said the database was unreachable: {answers:?}");
     Ok(())
 }
 
