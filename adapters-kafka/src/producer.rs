@@ -80,4 +80,28 @@ impl EventProducer {
         let delivery = self.producer.send(record, timeout).await.map_err(|(e, _)| e)?;
         Ok(Sent { event_id, partition: delivery.partition, offset: delivery.offset })
     }
+    /// Sends a message exactly as given: under `key` when there is one, with `headers` and nothing else
+    /// (no `event_id` is added, no trace context). For messages idem's producers never send — a test of
+    /// one without an `event_id`, another producer's envelope — and for events with more headers than the
+    /// id (`event_type`, `content-type`: put the `event_id` header in yourself). Returns the partition and
+    /// offset of the write.
+    pub async fn send_raw(
+        &self,
+        topic: &str,
+        key: Option<&[u8]>,
+        payload: &[u8],
+        headers: &[(&str, &[u8])],
+        timeout: Duration,
+    ) -> Result<(i32, i64), KafkaError> {
+        let mut owned = OwnedHeaders::new();
+        for (k, v) in headers {
+            owned = owned.insert(Header { key: k, value: Some(*v) });
+        }
+        let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic).payload(payload).headers(owned);
+        if let Some(key) = key {
+            record = record.key(key);
+        }
+        let delivery = self.producer.send(record, timeout).await.map_err(|(e, _)| e)?;
+        Ok((delivery.partition, delivery.offset))
+    }
 }

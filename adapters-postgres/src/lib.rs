@@ -33,11 +33,6 @@ pub use wakeup::{NOTIFY_DEBOUNCE, OUTBOX_CHANNEL, OutboxSignal, PgOutboxWakeup};
 /// saga steps, operators' records, settings. What [`PgStore::migrate`] installs for a toolkit user.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
-/// The reference payment service's schema history (`migrations/` at the repository's root): its `payment`,
-/// `refund` and `order_projection` tables, and idem's tables as they were created along the way. Applied by
-/// [`PgStore::migrate_reference`], never by [`PgStore::migrate`].
-pub static REFERENCE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
-
 /// Pool settings.
 #[derive(Debug, Clone)]
 pub struct PoolSettings {
@@ -379,10 +374,11 @@ impl PgStore {
         }
     }
 
-    /// The reference payment service's schema ([`REFERENCE_MIGRATOR`]) and then idem's ([`MIGRATOR`],
-    /// whose statements find its tables in place).
-    pub async fn migrate_reference(&self) -> Result<(), StoreError> {
-        self.migrate_sets(&[&REFERENCE_MIGRATOR, &MIGRATOR]).await
+    /// The application's schema history first and then idem's ([`MIGRATOR`], whose statements find its
+    /// tables in place): for an application whose own history created idem's tables along the way, as the
+    /// reference payment service's (`migrations/` at the repository's root) did.
+    pub async fn migrate_schema_first(&self, schema: &sqlx::migrate::Migrator) -> Result<(), StoreError> {
+        self.migrate_sets(&[schema, &MIGRATOR]).await
     }
 
     async fn migrate_sets(&self, sets: &[&sqlx::migrate::Migrator]) -> Result<(), StoreError> {

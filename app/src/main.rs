@@ -19,6 +19,11 @@ use idem_postgres::cleanup::Cleaner;
 use idem_postgres::{PgStore, PoolSettings, Pooler};
 use tokio_util::sync::CancellationToken;
 
+/// The reference payment service's schema history (`migrations/` at the repository's root): its `payment`,
+/// `refund` and `order_projection` tables, and idem's tables as they were created along the way. Applied
+/// before idem's own (`PgStore::migrate_schema_first`).
+pub(crate) static REFERENCE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+
 #[derive(Debug, Parser)]
 #[command(
     name = "idem",
@@ -118,7 +123,7 @@ async fn cleanup_once(args: CleanupArgs) -> anyhow::Result<()> {
     init_tracing(false);
     anyhow::ensure!(args.once, "idem cleanup needs --once (idem serve runs the periodic cleaner)");
     let store = connect(&args.db).await?;
-    store.migrate_reference().await.context("applying migrations")?;
+    store.migrate_schema_first(&REFERENCE_MIGRATOR).await.context("applying migrations")?;
     let settings = args.pace.settings();
     let now = SystemClock.now();
     let expired = store.expired_rows(now).await?;
@@ -155,7 +160,7 @@ async fn cleanup_once(args: CleanupArgs) -> anyhow::Result<()> {
 async fn migrate(db: DbArgs) -> anyhow::Result<()> {
     init_tracing(false);
     let store = connect(&db).await?;
-    store.migrate_reference().await.context("applying migrations")?;
+    store.migrate_schema_first(&REFERENCE_MIGRATOR).await.context("applying migrations")?;
     tracing::info!("migrations applied");
     Ok(())
 }

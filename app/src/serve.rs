@@ -122,7 +122,7 @@ impl Stores {
             DedupStorageArg::Partitioned => DedupStorage::Partitioned,
         };
         let api = connect(&args.db).await?.with_dedup_storage(storage);
-        api.migrate_reference().await.context("applying migrations")?;
+        api.migrate_schema_first(&crate::REFERENCE_MIGRATOR).await.context("applying migrations")?;
         tracing::info!("migrations applied");
         warn_without_synchronous_standby(&api).await;
         let background = DbArgs { database_max_connections: args.background_connections, ..args.db.clone() };
@@ -406,7 +406,7 @@ pub async fn relay_only(args: RelayOnlyArgs) -> anyhow::Result<()> {
     let telemetry = init_tracing(args.log_json);
     let cluster = args.kafka.connection()?;
     let store = connect(&args.db).await?;
-    store.migrate_reference().await.context("applying migrations")?;
+    store.migrate_schema_first(&crate::REFERENCE_MIGRATOR).await.context("applying migrations")?;
     let shutdown = CancellationToken::new();
     cancel_on_signal(shutdown.clone());
     let group = Background::new(store.clone(), &cluster)

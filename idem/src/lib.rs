@@ -11,12 +11,15 @@
 //!   and `postgres`): the request's and the event's unit of work, typed for your own SQL.
 //! - [`Background`] (features `kafka` and `postgres`): relay, outbox vacuum, cleaner, topic checks and
 //!   consumers started in one call, under one shutdown token.
+//! - [`testing`] (feature `testing`, for dev-dependencies): a database per test, a broker and messages,
+//!   commits that die, an application log that counts effects, a shifted clock, a provider stand-in.
 //! - At the root: the ports and values every service uses ([`NewOutboxMessage`], [`EventHandler`],
 //!   [`TtlPolicy`], …), and [`TaskGroup`].
 //!
 //! The README's "Use idem in your own service" is a complete example on this crate alone.
 
 #![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(all(feature = "kafka", feature = "postgres"))]
 mod background;
@@ -25,6 +28,8 @@ mod pg_handler;
 #[cfg(all(feature = "http", feature = "postgres"))]
 mod pg_tx;
 mod tasks;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 #[cfg(all(feature = "kafka", feature = "postgres"))]
 pub use background::Background;
@@ -34,7 +39,7 @@ pub use idem_ports::{
     SystemClock, TransactionManager, UnitOfWork, UuidV7Generator,
 };
 #[cfg(all(feature = "kafka", feature = "postgres"))]
-pub use pg_handler::{PgEventHandler, pg_runner};
+pub use pg_handler::{PgEventHandler, pg_handler, pg_runner};
 #[cfg(all(feature = "http", feature = "postgres"))]
 pub use pg_tx::PgTx;
 pub use tasks::TaskGroup;

@@ -25,7 +25,13 @@ pub fn pg_runner(
     clock: Arc<dyn Clock>,
     handler: impl PgEventHandler + 'static,
 ) -> Runner {
-    Runner::new(settings, Arc::new(store), clock, Arc::new(OnPostgres(handler)))
+    Runner::new(settings, Arc::new(store), clock, pg_handler(handler))
+}
+
+/// `handler` as the runner's port, for a [`Runner`] built by hand (over another transaction manager that
+/// hands out PostgreSQL units of work, such as `testing::faults::FaultyCommits` around a `PgStore`).
+pub fn pg_handler(handler: impl PgEventHandler + 'static) -> Arc<dyn EventHandler> {
+    Arc::new(OnPostgres(handler))
 }
 
 /// The adapter [`pg_runner`] builds: the runner's units of work come from a `PgStore`.
@@ -34,10 +40,7 @@ struct OnPostgres<H>(H);
 #[async_trait]
 impl<H: PgEventHandler> EventHandler for OnPostgres<H> {
     async fn handle(&self, uow: &mut dyn UnitOfWork, event: &InboundEvent) -> Result<(), HandlerError> {
-        match PgUnitOfWork::of(uow) {
-            Ok(tx) => self.0.handle(tx, event).await,
-            // `pg_runner` gives the runner a PgStore, whose units of work are PgUnitOfWork
-            Err(_) => unreachable!("pg_runner's units of work are PostgreSQL's"),
-        }
+        // a unit of work that is not PostgreSQL's is an error of wiring (`pg_runner` cannot make one)
+        self.0.handle(PgUnitOfWork::of(uow)?, event).await
     }
 }

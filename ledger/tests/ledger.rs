@@ -7,20 +7,18 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::TtlPolicy;
-use idem_http::ApiKeys;
-use idem_ports::{SystemClock, TransactionManager};
-use idem_tests::TestDb;
-use idem_tests::kafka::{create_topic, eventually, produce, producer, unique_topic};
+use idem::http::ApiKeys;
+use idem::testing::faults::{FaultyCommits, dies_before_commit};
+use idem::testing::{TestDb, TestProducer, create_topic, eventually, kafka_brokers, unique_topic};
+use idem::{SystemClock, TransactionManager, TtlPolicy};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
 const KEYS: &str = "alpha:alpha_key_0123456789,beta:beta_key_0123456789";
 
 async fn ledger_db() -> anyhow::Result<TestDb> {
-    let db = TestDb::new().await?;
-    // idem's tables are there already (TestDb); the ledger's install beside them
-    db.store.migrate_with(Some(&idem_ledger::MIGRATOR)).await?;
+    // idem's tables and the ledger's, in one migration table
+    let db = TestDb::with_migrations(&idem_ledger::MIGRATOR).await?;
     db.store.migrate().await?; // and idem alone still migrates a database holding the ledger's entries
     Ok(db)
 }
@@ -115,25 +113,10 @@ async fn concurrent_duplicates_make_one_credit() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Units of work whose commit dies for the first `fail_first` units: the transaction is rolled back
-/// instead (the process died before COMMIT reached the database).
-fn commit_dies(store: &idem_postgres::PgStore, fail_first: usize) -> Arc<dyn TransactionManager> {
-    use idem_tests::faulty::{FaultyCommits, commits, dies_before_commit};
-    let left = std::sync::atomic::AtomicUsize::new(fail_first);
-    Arc::new(FaultyCommits::new(Arc::new(store.clone()), move || {
-        let dies = left
-            .fetch_update(std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst, |n| {
-                n.checked_sub(1)
-            })
-            .is_ok();
-        if dies { dies_before_commit() } else { commits() }
-    }))
-}
-
 #[tokio::test]
 async fn a_crash_before_commit_leaves_nothing_and_the_retry_executes_once() -> anyhow::Result<()> {
     let db = ledger_db().await?;
-    let base = serve(commit_dies(&db.store, 1)).await?;
+    let base = serve(Arc::new(FaultyCommits::first(1, Arc::new(db.store.clone()), dies_before_commit))).await?;
     let (status, body, _) = credit(&base, "k-crash", "alpha_key_0123456789", "7").await?;
     assert_eq!(status, 503, "{body}");
     for table in ["ledger_entry", "ledger_balance", "idempotency_record", "outbox_message"] {
@@ -153,27 +136,25 @@ async fn a_crash_before_commit_leaves_nothing_and_the_retry_executes_once() -> a
 #[tokio::test]
 async fn revenue_events_are_credited_once_with_their_processed_row() -> anyhow::Result<()> {
     let db = ledger_db().await?;
-    let brokers = idem_tests::kafka_brokers().await?;
+    let brokers = kafka_brokers().await?;
     let topic = unique_topic("ledger-payments");
     create_topic(&brokers, &topic, 2).await?;
-    let p = producer(&brokers)?;
+    let producer = TestProducer::new(&brokers)?;
     let distinct = 40;
     for i in 0..distinct {
-        let id = Uuid::now_v7().to_string();
         let body =
             json!({ "type": "PaymentCaptured", "payment_id": Uuid::now_v7(), "amount": "2.50", "currency": "EUR" });
-        let copies = if i % 3 == 0 { 2 } else { 1 };
-        for _ in 0..copies {
-            produce(&p, &topic, Some(&format!("o-{i}")), body.to_string().as_bytes(), &[("event_id", id.as_bytes())])
-                .await?;
+        let (key, payload) = (format!("o-{i}"), body.to_string());
+        let id = producer.event(&topic, &key, payload.as_bytes()).await?;
+        if i % 3 == 0 {
+            producer.event_with_id(id, &topic, &key, payload.as_bytes()).await?; // delivered again
         }
     }
     // other events are ignored, yet recorded as processed
-    let ignored = Uuid::now_v7().to_string();
-    produce(&p, &topic, Some("x"), br#"{"type":"OrderPlaced"}"#, &[("event_id", ignored.as_bytes())]).await?;
+    producer.event(&topic, "x", br#"{"type":"OrderPlaced"}"#).await?;
 
-    let tm = commit_dies(&db.store, 3);
-    let mut settings = idem_kafka::consumer::RunnerSettings::new(
+    let tm = Arc::new(FaultyCommits::first(3, Arc::new(db.store.clone()), dies_before_commit));
+    let mut settings = idem::kafka::consumer::RunnerSettings::new(
         &brokers,
         &unique_topic("ledger-group"),
         &topic,
@@ -181,8 +162,8 @@ async fn revenue_events_are_credited_once_with_their_processed_row() -> anyhow::
     );
     settings.batch_size = 7;
     let handler = Arc::new(idem_ledger::RevenueHandler { merchant: "alpha".into() });
-    let runner = idem_kafka::consumer::Runner::new(settings, tm, Arc::new(SystemClock), handler);
-    let token = tokio_util::sync::CancellationToken::new();
+    let runner = idem::kafka::consumer::Runner::new(settings, tm, Arc::new(SystemClock), handler);
+    let token = idem::CancellationToken::new();
     let task = tokio::spawn(runner.run(token.clone()));
     let done = eventually(Duration::from_secs(60), || async {
         Ok(count(&db, "SELECT count(*) FROM processed_event").await? == distinct + 1)

@@ -42,7 +42,7 @@ struct Pair {
 async fn migrated(admin: &str, name: &str) -> anyhow::Result<String> {
     let db = fresh_database(admin, name).await?;
     let store = idem_postgres::PgStore::connect(&db, &idem_postgres::PoolSettings::default()).await?;
-    store.migrate_reference().await?;
+    store.migrate_schema_first(&idem_tests::REFERENCE_MIGRATOR).await?;
     store.close().await;
     Ok(db)
 }

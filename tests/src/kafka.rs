@@ -6,16 +6,7 @@ use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
-/// A topic name unique to this test run.
-pub fn unique_topic(prefix: &str) -> String {
-    format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
-}
-
-pub async fn create_topic(brokers: &str, topic: &str, partitions: i32) -> anyhow::Result<()> {
-    idem_kafka::admin::ensure_topics(&brokers.into(), &[topic], partitions, idem_kafka::admin::Replication::Auto)
-        .await
-        .map_err(anyhow::Error::msg)
-}
+pub use idem::testing::{create_topic, eventually, unique_topic};
 
 pub fn producer(brokers: &str) -> anyhow::Result<FutureProducer> {
     Ok(idem_kafka::ProducerSettings::new(brokers).client_config().create()?)
@@ -96,24 +87,6 @@ pub async fn read_topic_from(
         });
     }
     Ok(out)
-}
-
-/// Polls `check` every 100 ms until it returns true or `timeout` passes; returns the last answer.
-pub async fn eventually<F, Fut>(timeout: Duration, mut check: F) -> anyhow::Result<bool>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<bool>>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if check().await? {
-            return Ok(true);
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Ok(false);
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// A TCP proxy the test can cut (every connection dropped, new ones refused) and restore. It counts the

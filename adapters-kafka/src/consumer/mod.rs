@@ -10,7 +10,8 @@
 //!
 //! Failures: a transient store error rolls back and retries the same batch with backoff (never
 //! dead-lettered, offsets untouched). A malformed event is dead-lettered at once; an event rejected by a
-//! business rule is retried and dead-lettered after `max_rejections` attempts. Either way the batch is
+//! business rule is retried and dead-lettered after `max_rejections` attempts (the default [`RetryPolicy`];
+//! `RunnerSettings::retry` chooses per error what is retried, how long, and what goes at once). Either way the batch is
 //! re-applied without it, so one poison message never stalls its partition.
 //!
 //! # In detail
@@ -86,6 +87,7 @@ pub mod dead_letters;
 mod errors;
 mod offsets;
 mod received;
+mod retry;
 mod stats;
 
 use apply::{BatchOutcome, Dedup};
@@ -94,6 +96,7 @@ use received::Received;
 
 pub use errors::{ClientErrorAction, RunnerError, classify_consumer_error};
 use offsets::{Offsets, RunnerContext};
+pub use retry::{Failure, RetryPolicy, Verdict};
 pub use stats::ConsumerStats;
 
 /// Header carrying the event id.
@@ -122,8 +125,12 @@ pub struct RunnerSettings {
     pub batch_size: usize,
     /// Longest wait to fill a batch once its first message arrived.
     pub batch_timeout: Duration,
-    /// How many times an event rejected by a business rule is retried before it is dead-lettered.
+    /// How many times an event rejected by a business rule is retried before it is dead-lettered (the
+    /// default policy's bound; see [`Self::retry`]).
     pub max_rejections: u32,
+    /// Which failed events are retried, how long, and which are dead-lettered at once; `None`:
+    /// [`RetryPolicy::rejections`] with [`Self::max_rejections`].
+    pub retry: Option<RetryPolicy>,
     /// Retention of processed-event rows.
     pub dedup_ttl: TtlPolicy,
     /// Longest time one batch's transaction may take, from BEGIN to COMMIT. One that takes longer (its
@@ -152,6 +159,7 @@ impl RunnerSettings {
             batch_size: 100,
             batch_timeout: Duration::from_millis(20),
             max_rejections: 3,
+            retry: None,
             dedup_ttl,
             transaction_timeout: Duration::from_secs(60),
             accept_setting_changes: Vec::new(),
@@ -236,7 +244,7 @@ impl Runner {
             self.settings.dedup_ttl = self.settings.dedup_ttl.raised_from(r.from, r.since);
         }
         let producer: FutureProducer = self.settings.dead_letter_producer().create().map_err(RunnerError::Config)?;
-        let mut rejections: HashMap<(i32, i64), u32> = HashMap::new();
+        let mut rejections: Failures = HashMap::new();
         let mut backoff = Backoff::new();
         while !shutdown.is_cancelled() {
             let consumer: StreamConsumer<RunnerContext> = self
@@ -299,7 +307,7 @@ impl Runner {
         &self,
         consumer: &StreamConsumer<RunnerContext>,
         producer: &FutureProducer,
-        rejections: &mut HashMap<(i32, i64), u32>,
+        rejections: &mut Failures,
         shutdown: &CancellationToken,
     ) -> Consumed {
         let done = &consumer.context().offsets;
@@ -386,7 +394,7 @@ impl Runner {
         &self,
         producer: &FutureProducer,
         batch: &[Received],
-        rejections: &mut HashMap<(i32, i64), u32>,
+        rejections: &mut Failures,
         shutdown: &CancellationToken,
     ) -> bool {
         let now = self.clock.now();
@@ -442,20 +450,29 @@ impl Runner {
                 BatchOutcome::EventFailed { index, error } => {
                     let (msg, event) = &events[index];
                     let key = (event.partition, event.offset);
-                    let (reason, give_up) = match &error {
-                        HandlerError::Malformed(_) => ("malformed", true),
-                        HandlerError::Rejected(_) | HandlerError::Store(_) => {
-                            let n = rejections.entry(key).or_insert(0);
-                            *n += 1;
-                            ("rejected", *n > self.settings.max_rejections)
-                        }
+                    let reason = if matches!(error, HandlerError::Malformed(_)) { "malformed" } else { "rejected" };
+                    let (attempts, since) = rejections.entry(key).or_insert((0, std::time::Instant::now()));
+                    *attempts += 1;
+                    let failure = Failure { error: &error, attempts: *attempts, failing_for: since.elapsed() };
+                    let verdict = match &self.settings.retry {
+                        Some(policy) => policy.decide(&failure),
+                        None => RetryPolicy::rejections(self.settings.max_rejections).decide(&failure),
                     };
-                    tracing::warn!(event_id = %event.event_id, partition = event.partition, offset = event.offset, error = %error, give_up, "event failed");
-                    if give_up {
-                        rejections.remove(&key);
-                        dead.push(DeadLetter { message: (*msg).clone(), reason, error: error.to_string() });
-                        events.remove(index);
-                    } else if !backoff.wait(shutdown).await {
+                    tracing::warn!(event_id = %event.event_id, partition = event.partition, offset = event.offset, error = %error, ?verdict, "event failed");
+                    let waited = match verdict {
+                        Verdict::DeadLetter => {
+                            rejections.remove(&key);
+                            dead.push(DeadLetter { message: (*msg).clone(), reason, error: error.to_string() });
+                            events.remove(index);
+                            true
+                        }
+                        Verdict::Retry => backoff.wait(shutdown).await,
+                        Verdict::RetryAfter(after) => tokio::select! {
+                            _ = shutdown.cancelled() => false,
+                            _ = tokio::time::sleep(after) => true,
+                        },
+                    };
+                    if !waited {
                         return false;
                     }
                 }
@@ -495,6 +512,9 @@ impl Runner {
         true
     }
 }
+
+/// Failures of events not applied yet, by partition and offset: how many, and since when.
+type Failures = HashMap<(i32, i64), (u32, std::time::Instant)>;
 
 /// The consumer's retry schedule: 50 ms doubling to 5 s, with jitter.
 struct Backoff(idem_ports::Backoff);

@@ -328,7 +328,7 @@ async fn dlq_redrive(args: DlqRedriveArgs) -> anyhow::Result<()> {
         }
     }
     let store = crate::connect(&args.db).await?;
-    store.migrate_reference().await.context("applying migrations")?;
+    store.migrate_schema_first(&crate::REFERENCE_MIGRATOR).await.context("applying migrations")?;
     let by = args.by.clone().or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "unknown".into());
     let producer: rdkafka::producer::FutureProducer =
         idem_kafka::ProducerSettings::new(&cluster).client_config().create()?;

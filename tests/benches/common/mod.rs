@@ -251,7 +251,7 @@ pub async fn fresh_database(admin: &str, name: &str) -> anyhow::Result<String> {
 pub async fn fresh_store(admin: &str, name: &str) -> anyhow::Result<idem_postgres::PgStore> {
     let url = fresh_database(admin, name).await?;
     let store = idem_postgres::PgStore::connect(&url, &idem_postgres::PoolSettings::default()).await?;
-    store.migrate_reference().await?;
+    store.migrate_schema_first(&idem_tests::REFERENCE_MIGRATOR).await?;
     Ok(store)
 }
 

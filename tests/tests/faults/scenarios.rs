@@ -525,7 +525,7 @@ async fn s10_large_outbox_backlog_with_a_forced_plan() -> anyhow::Result<()> {
     let db = scenario_db().await?;
     let brokers = idem_tests::kafka_brokers().await?;
     let mut service = Service::new(&db.url, &brokers);
-    db.store.migrate_reference().await?;
+    db.store.migrate_schema_first(&idem_tests::REFERENCE_MIGRATOR).await?;
     let rows = scale(10_000, 50_000) as i64;
     let name: String = sqlx::query_scalar("SELECT current_database()").fetch_one(db.pool()).await?;
     sqlx::query(&format!("ALTER DATABASE \"{name}\" SET enable_indexscan = off")).execute(db.pool()).await?;

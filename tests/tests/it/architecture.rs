@@ -73,6 +73,45 @@ fn the_ledger_service_uses_only_the_toolkits_public_crates() {
     assert!(!facade.contains("idem-app"), "the facade must not depend on the reference service's binary");
 }
 
+/// Issue 36: a service without Kafka (`idem` with `http` and `postgres` only) builds no librdkafka, so it
+/// needs neither cmake nor a C toolchain for it; with `kafka` the tree has it (the check can fail).
+#[test]
+fn the_facade_without_kafka_builds_no_librdkafka() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let tree = |features: &str| {
+        let args = ["tree", "--offline", "-p", "idem", "--no-default-features", "-F", features, "-e", "normal,build"];
+        let out = Command::new(&cargo).args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().expect("cargo tree");
+        assert!(out.status.success(), "cargo tree failed: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).expect("utf-8")
+    };
+    let without = tree("http,postgres");
+    for native in ["rdkafka", "cmake"] {
+        assert!(!without.contains(native), "idem without kafka depends on {native}:\n{without}");
+    }
+    assert!(tree("kafka").contains("rdkafka-sys"), "the kafka feature is what brings librdkafka");
+}
+
+/// Issue 36: the ledger and the example name only the facade among idem's crates, in their tests too
+/// (`idem::testing` instead of the internal `idem-tests`): what they do, a user's crate can do.
+#[test]
+fn the_ledger_and_the_example_name_only_the_facade() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for manifest in ["ledger/Cargo.toml", "examples/inventory/Cargo.toml"] {
+        let text = std::fs::read_to_string(root.join(manifest)).expect("manifest");
+        let mut section = String::new();
+        let mut named = Vec::new();
+        for line in text.lines().map(str::trim) {
+            if line.starts_with('[') {
+                section = line.to_owned();
+            } else if section.ends_with("dependencies]") && line.starts_with("idem") {
+                named.push(line.split(['=', '.', ' ']).next().unwrap_or_default().to_owned());
+            }
+        }
+        assert!(named.contains(&"idem".to_owned()), "{manifest} does not use the facade: {named:?}");
+        assert!(named.iter().all(|n| n == "idem"), "{manifest} names idem's inner crates: {named:?}");
+    }
+}
+
 /// Every path and item ARCHITECTURE.md's tables name exists: a path relative to the repository's root (or,
 /// for a bare file name, beside another path of its row), an item (`Runner::apply`, `decide`) in the files
 /// of its row or, when the row names none that holds it, in the workspace's sources. The codemap cannot

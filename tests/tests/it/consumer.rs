@@ -1073,3 +1073,73 @@ async fn the_dead_letter_reader_reads_a_batch_written_at_once() -> anyhow::Resul
     assert_eq!(read.len(), 20, "read {} of 20 dead letters written as one batch", read.len());
     Ok(())
 }
+
+/// Issue 36: a retry policy chooses per error. With the default (`max_rejections = 2`) a rejection that
+/// clears on its sixth attempt would be dead-lettered at its third, and one that will never clear would be
+/// retried three times. The policy here dead-letters "never" at its first failure and retries "flaky"
+/// until it is applied: each handler call is counted.
+#[tokio::test]
+async fn a_retry_policy_dead_letters_one_error_at_once_and_retries_another_until_it_clears() -> anyhow::Result<()> {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    use idem_kafka::consumer::{RetryPolicy, Verdict};
+    use idem_ports::{EventHandler, HandlerError, InboundEvent, UnitOfWork};
+
+    #[derive(Default)]
+    struct Flaky {
+        calls: Mutex<HashMap<String, u32>>,
+    }
+
+    #[async_trait::async_trait]
+    impl EventHandler for Flaky {
+        async fn handle(&self, _: &mut dyn UnitOfWork, event: &InboundEvent) -> Result<(), HandlerError> {
+            let body = String::from_utf8_lossy(&event.payload).into_owned();
+            let n = {
+                let mut calls = self.calls.lock().expect("calls");
+                let n = calls.entry(body.clone()).or_insert(0);
+                *n += 1;
+                *n
+            };
+            match body.as_str() {
+                "never" => Err(HandlerError::Rejected("never: the account is closed".into())),
+                "flaky" if n < 6 => Err(HandlerError::Rejected("flaky: the limit is not raised yet".into())),
+                _ => Ok(()),
+            }
+        }
+    }
+
+    let (db, brokers, topic) = setup(1).await?;
+    let p = producer(&brokers)?;
+    let (never, flaky) = (Uuid::now_v7(), Uuid::now_v7());
+    send(&p, &topic, Uuid::from_u128(1), never, b"never").await?;
+    send(&p, &topic, Uuid::from_u128(1), flaky, b"flaky").await?;
+    let mut s = settings(&brokers, &unique_topic("g"), &topic, 1);
+    s.retry = Some(RetryPolicy::new(|f| match f.error {
+        HandlerError::Rejected(why) if why.starts_with("never") => Verdict::DeadLetter,
+        _ if f.attempts <= 10 => Verdict::RetryAfter(Duration::from_millis(20)),
+        _ => Verdict::DeadLetter,
+    }));
+    let handler = Arc::new(Flaky::default());
+    let runner = Runner::new(s, Arc::new(db.store.clone()), Arc::new(SystemClock), handler.clone());
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone()));
+    let applied = eventually(Duration::from_secs(30), || async {
+        Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM processed_event WHERE event_id = $1")
+            .bind(flaky)
+            .fetch_one(db.pool())
+            .await?
+            == 1)
+    })
+    .await?;
+    stop.cancel();
+    task.await??;
+    let dlq = read_topic(&brokers, &format!("{topic}.dlq"), 1, Duration::from_secs(30)).await?;
+    let calls = handler.calls.lock().expect("calls").clone();
+    assert!(applied, "the flaky event was never applied: {calls:?}");
+    assert_eq!((calls.get("never"), calls.get("flaky")), (Some(&1), Some(&6)), "handler calls");
+    assert_eq!(dlq.len(), 1, "{dlq:?}");
+    assert_eq!(dlq[0].header("event_id"), Some(never.to_string()));
+    assert_eq!(dlq[0].header("dlq.reason").as_deref(), Some("rejected"));
+    Ok(())
+}

@@ -564,13 +564,14 @@ async fn behind_a_pooler_an_edited_applied_migration_is_refused() -> anyhow::Res
     let db = TestDb::new().await?;
     let settings = idem_postgres::PoolSettings { pooler: idem_postgres::Pooler::Transaction, ..Default::default() };
     let pooled = idem_postgres::PgStore::connect(&db.url, &settings).await?;
-    pooled.migrate_reference().await?;
+    pooled.migrate_schema_first(&idem_tests::REFERENCE_MIGRATOR).await?;
     sqlx::query(
         "UPDATE _sqlx_migrations SET checksum = '\\x00' WHERE version = (SELECT min(version) FROM _sqlx_migrations)",
     )
     .execute(db.pool())
     .await?;
-    let err = pooled.migrate_reference().await.expect_err("an edited migration is refused");
+    let err =
+        pooled.migrate_schema_first(&idem_tests::REFERENCE_MIGRATOR).await.expect_err("an edited migration is refused");
     assert!(err.to_string().contains("checksum"), "{err}");
     Ok(())
 }

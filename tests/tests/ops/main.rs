@@ -547,7 +547,7 @@ async fn cleanup_once_reports_progress() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let brokers = idem_tests::kafka_brokers().await?;
     let service = Service::new(&db.url, &brokers);
-    db.store.migrate_reference().await?;
+    db.store.migrate_schema_first(&idem_tests::REFERENCE_MIGRATOR).await?;
     sqlx::query(
         "INSERT INTO processed_event (consumer_name, event_id, topic, created_at, expires_at)
          SELECT 'g', gen_random_uuid(), 't', now() - interval '4 days', now() - interval '1 day'

@@ -1,7 +1,19 @@
-//! One wrapper for the tests' faulty commits: a crash before COMMIT, a hang after it, a slow commit, a
-//! commit whose outcome is lost. Everything but `commit` goes to the real unit of work.
+//! Units of work whose commit fails the way production's do: the process dies before `COMMIT` reaches the
+//! database (nothing was written), or the connection breaks after it (everything was written, and the
+//! caller cannot tell). Everything but `commit` goes to the real unit of work, so your SQL on
+//! `PgUnitOfWork::of` works through them.
+//!
+//! ```no_run
+//! # use std::sync::Arc;
+//! use idem::testing::faults::{FaultyCommits, dies_before_commit};
+//! # async fn example(db: idem::testing::TestDb) {
+//! // the first unit of work dies before COMMIT, the later ones commit
+//! let tm = Arc::new(FaultyCommits::first(1, Arc::new(db.store.clone()), dies_before_commit));
+//! # }
+//! ```
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 
 use async_trait::async_trait;
 use futures::future::BoxFuture;
@@ -27,8 +39,19 @@ impl std::fmt::Debug for FaultyCommits {
 }
 
 impl FaultyCommits {
+    /// Units of `inner` committing as `decide` says.
     pub fn new(inner: Arc<dyn TransactionManager>, decide: impl Fn() -> Commit + Send + Sync + 'static) -> Self {
         Self { inner, decide: Box::new(decide) }
+    }
+
+    /// The first `n` units of `inner` fail with `fault` ([`dies_before_commit`], [`dies_after_commit`]);
+    /// the later ones commit.
+    pub fn first(n: usize, inner: Arc<dyn TransactionManager>, fault: fn() -> Commit) -> Self {
+        let left = AtomicUsize::new(n);
+        Self::new(inner, move || {
+            let faulty = left.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1)).is_ok();
+            if faulty { fault() } else { commits() }
+        })
     }
 }
 
@@ -37,13 +60,24 @@ pub fn commits() -> Commit {
     Box::new(|uow| uow.commit())
 }
 
-/// The process dies before COMMIT: the transaction is dropped (the server rolls it back) and the caller
+/// The process dies before `COMMIT`: the transaction is dropped (the server rolls it back) and the caller
 /// sees the connection gone.
 pub fn dies_before_commit() -> Commit {
     Box::new(|uow| {
         Box::pin(async move {
             drop(uow);
             Err(StoreError::Unavailable("the process died before COMMIT".into()))
+        })
+    })
+}
+
+/// The connection breaks after `COMMIT` was sent: the transaction commits, and the caller sees an error
+/// and cannot tell whether it did.
+pub fn dies_after_commit() -> Commit {
+    Box::new(|uow| {
+        Box::pin(async move {
+            uow.commit().await?;
+            Err(StoreError::Unavailable("the connection broke after COMMIT was sent".into()))
         })
     })
 }

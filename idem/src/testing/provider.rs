@@ -121,7 +121,7 @@ pub async fn start(api_key: &str) -> anyhow::Result<(Arc<StandIn>, String)> {
         .route("/v1/charges", axum::routing::post(charge))
         .route("/v1/refunds", axum::routing::post(refund))
         .with_state(state.clone());
-    Ok((state, crate::serve(router).await?))
+    Ok((state, super::serve(router).await?))
 }
 
 async fn charge(
