@@ -9,6 +9,8 @@
 //!   [`Relay`](kafka::relay::Relay), [`EventProducer`](kafka::EventProducer) for producers outside the outbox.
 //! - [`PgTx`] (features `http` and `postgres`) and [`PgEventHandler`] with [`pg_runner`] (features `kafka`
 //!   and `postgres`): the request's and the event's unit of work, typed for your own SQL.
+//! - [`Dispatch`] (features `kafka` and `postgres`): one consumer for several kinds of event, each to its
+//!   handler by the `event_type` header, payloads read into your types ([`TypedEventHandler`]).
 //! - [`Background`] (features `kafka` and `postgres`): relay, outbox vacuum, cleaner, topic checks and
 //!   consumers started in one call, under one shutdown token.
 //! - [`testing`] (feature `testing`, for dev-dependencies): a database per test, a broker and messages,
@@ -24,6 +26,8 @@
 #[cfg(all(feature = "kafka", feature = "postgres"))]
 mod background;
 #[cfg(all(feature = "kafka", feature = "postgres"))]
+mod dispatch;
+#[cfg(all(feature = "kafka", feature = "postgres"))]
 mod pg_handler;
 #[cfg(all(feature = "http", feature = "postgres"))]
 mod pg_tx;
@@ -33,6 +37,8 @@ pub mod testing;
 
 #[cfg(all(feature = "kafka", feature = "postgres"))]
 pub use background::Background;
+#[cfg(all(feature = "kafka", feature = "postgres"))]
+pub use dispatch::{Dispatch, TypedEventHandler, Unhandled};
 pub use idem_domain::{self as domain, TtlPolicy};
 pub use idem_ports::{
     self as ports, Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, NewOutboxMessage, StoreError,

@@ -1143,3 +1143,89 @@ async fn a_retry_policy_dead_letters_one_error_at_once_and_retries_another_until
     assert_eq!(dlq[0].header("dlq.reason").as_deref(), Some("rejected"));
     Ok(())
 }
+
+/// Issue 36: one consumer, several kinds of event. `Dispatch` routes by the relay's `event_type` header
+/// (or a JSON `type` field), reads payloads into the handler's type, and dead-letters an unknown type and a
+/// payload that does not read; a redelivered event is applied once. Effects are counted in the table.
+#[tokio::test]
+async fn a_dispatch_routes_by_event_type_and_dead_letters_what_it_cannot_read() -> anyhow::Result<()> {
+    use idem::postgres::PgUnitOfWork;
+    use idem::testing::TestProducer;
+    use idem::{Dispatch, HandlerError, InboundEvent, TypedEventHandler, Unhandled};
+
+    #[derive(serde::Deserialize)]
+    struct Credited {
+        amount: i32,
+    }
+    struct Credit;
+    #[async_trait::async_trait]
+    impl TypedEventHandler for Credit {
+        type Event = Credited;
+        async fn handle(&self, tx: &mut PgUnitOfWork, e: Credited, m: &InboundEvent) -> Result<(), HandlerError> {
+            sqlx::query("INSERT INTO test_credit (event_id, amount) VALUES ($1, $2)")
+                .bind(m.event_id)
+                .bind(e.amount)
+                .execute(tx.connection())
+                .await
+                .map_err(idem_postgres::map_sqlx_error)?;
+            Ok(())
+        }
+    }
+
+    let (db, brokers, topic) = setup(1).await?;
+    sqlx::raw_sql("CREATE TABLE test_credit (event_id uuid NOT NULL, amount int NOT NULL)").execute(db.pool()).await?;
+    let p = TestProducer::new(&brokers)?;
+    let send = |body: &'static str, kind: Option<&'static str>| {
+        let p = p.clone();
+        let topic = topic.clone();
+        async move {
+            let id = Uuid::now_v7();
+            let id_text = id.to_string();
+            let mut headers: Vec<(&str, &[u8])> = vec![("event_id", id_text.as_bytes())];
+            if let Some(kind) = kind {
+                headers.push(("event_type", kind.as_bytes()));
+            }
+            p.raw(&topic, Some("k"), body.as_bytes(), &headers).await?;
+            anyhow::Ok(id)
+        }
+    };
+    let first = send(r#"{"amount": 5}"#, Some("Credited")).await?;
+    p.raw(
+        &topic,
+        Some("k"),
+        br#"{"amount": 5}"#,
+        &[("event_id", first.to_string().as_bytes()), ("event_type", b"Credited")],
+    )
+    .await?; // delivered again
+    send(r#"{"type": "Credited", "amount": 7}"#, None).await?; // the type in the body
+    let unknown = send(r#"{"amount": 100}"#, Some("Debited")).await?;
+    let unreadable = send(r#"{"amount": "lots"}"#, Some("Credited")).await?;
+
+    let handler = Dispatch::new().on_typed("Credited", Credit).unhandled(Unhandled::DeadLetter);
+    let runner = idem::pg_runner(
+        settings(&brokers, &unique_topic("g"), &topic, 10),
+        db.store.clone(),
+        Arc::new(SystemClock),
+        handler,
+    );
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone()));
+    let dlq = read_topic(&brokers, &format!("{topic}.dlq"), 2, Duration::from_secs(30)).await?;
+    let credited = eventually(Duration::from_secs(10), || async { Ok(db.count("test_credit").await? == 2) }).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.cancel();
+    task.await??;
+    assert!(credited, "{} credits", db.count("test_credit").await?);
+    let total: i64 = sqlx::query_scalar("SELECT sum(amount) FROM test_credit").fetch_one(db.pool()).await?;
+    assert_eq!((db.count("test_credit").await?, total), (2, 12), "5 once, though delivered twice, and 7");
+    let mut dead: Vec<(Option<String>, Option<String>)> =
+        dlq.iter().map(|m| (m.header("event_id"), m.header("dlq.reason"))).collect();
+    dead.sort();
+    let mut expected = vec![
+        (Some(unknown.to_string()), Some("malformed".into())),
+        (Some(unreadable.to_string()), Some("malformed".into())),
+    ];
+    expected.sort();
+    assert_eq!(dead, expected);
+    Ok(())
+}
