@@ -26,7 +26,7 @@
 //! - **A duplicate never executes.** The claim row is uncommitted while the first request runs; PostgreSQL
 //!   makes a concurrent `INSERT … ON CONFLICT` on the same key wait for that transaction. When it commits, the
 //!   waiter sees the completed record and replays; when it rolls back, the waiter claims and executes; when
-//!   the wait exceeds `IDEMPOTENCY_WAIT`, the waiter answers 409 `request-in-flight` with `Retry-After: 1`.
+//!   the wait exceeds `IdempotencyConfig::wait`, the waiter answers 409 `request-in-flight` with `Retry-After: 1`.
 //! - **Crash safety.** There is no moment where a payment exists without its record or the reverse: they
 //!   commit together. A crash before the commit leaves nothing; the client's retry executes again.
 //! - **Keys are scoped.** The primary key is `(scope, key)`; merchant B's key `k` is a different row from
@@ -34,13 +34,13 @@
 //! - **Money is protected twice.** Even under a new key, `UNIQUE (provider, external_payment_id)` with
 //!   `INSERT … ON CONFLICT DO NOTHING` returns the existing payment (200) when the details match, 409
 //!   `payment-conflict` when they differ — never a second row, and never an aborted transaction.
-//! - **Expiry.** Records live `IDEMPOTENCY_TTL` (24–72 h, default 48 h): an expired record counts as absent
+//! - **Expiry.** Records live `IdempotencyConfig::ttl` (24–72 h; `idem serve`'s default 48 h): an expired record counts as absent
 //!   (checked in the claim statement itself), and the cleaner deletes them.
 //! - **Store down.** `BEGIN` failing answers 503 problem+json with `Retry-After`, nothing executed; every
 //!   answer the layer makes itself carries `Cache-Control: no-store`.
 //! - **Commit with an unknown outcome.** A failing COMMIT may have been applied: the answer is 503
 //!   `outcome-unknown` ("retry with the same key"), never "not executed"; the retry replays or executes.
-//! - **Keys that tell their age.** A UUID v7 key whose time is older than `IDEMPOTENCY_TTL` is refused with 422
+//! - **Keys that tell their age.** A UUID v7 key whose time is older than the TTL is refused with 422
 //!   `idempotency-key-expired` before anything runs (its record may be gone; AIP-155's `first_sent` rule).
 //! - **Refusals never burn a key, and never commit by accident.** A 4xx answer rolls back whatever the
 //!   handler wrote and stores nothing — a bad path parameter, an unknown payment, validation, media type,
@@ -48,7 +48,7 @@
 //!   business refusal after writes ("insufficient stock") — unless the handler chose [`CommitRefusal`].
 //!
 //! `IdempotencyLayer::transaction_only` runs the same handlers in a unit of work without keys: the baseline
-//! the benchmark compares against (`IDEMPOTENCY_LAYER=off`), never a production mode.
+//! the benchmark compares against, never a production mode.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -115,6 +115,10 @@ pub struct IdempotencyConfig {
     /// How long an attempt holds a record between the phases of a foreign call without renewing it
     /// (`IDEMPOTENCY_LEASE`; see [`Tx::foreign_call`]).
     pub lease: Duration,
+    /// What makes two requests under one key the same request; `None`: method, path and query, and the
+    /// whole body as canonical JSON ([`Fingerprint::of_request`]). [`Self::ignoring_fields`] leaves out
+    /// body fields a client may change between retries.
+    pub fingerprint: Option<FingerprintFn>,
 }
 
 impl fmt::Debug for IdempotencyConfig {
@@ -141,8 +145,28 @@ impl IdempotencyConfig {
             replay_fast_path: FastPath::Adaptive,
             new_keys: None,
             lease: idem_domain::phases::DEFAULT_LEASE,
+            fingerprint: None,
         }
     }
+
+    /// Leaves the body's top-level JSON fields `fields` out of the fingerprint (a client timestamp, a
+    /// request id in the body): a retry that changed only them replays instead of conflicting.
+    pub fn ignoring_fields(mut self, fields: &[&str]) -> Self {
+        let fields: Vec<String> = fields.iter().map(|f| (*f).to_owned()).collect();
+        self.fingerprint = Some(Arc::new(move |parts: &Parts, body: &[u8]| {
+            let ignored: Vec<&str> = fields.iter().map(String::as_str).collect();
+            Fingerprint::of_request_ignoring(parts.method.as_str(), route_of(parts), body, &ignored)
+        }));
+        self
+    }
+}
+
+/// Computes a request's fingerprint from its head and body ([`IdempotencyConfig::fingerprint`]).
+pub type FingerprintFn = Arc<dyn Fn(&Parts, &[u8]) -> Fingerprint + Send + Sync>;
+
+/// Path and query: what the default fingerprint names a request by.
+fn route_of(parts: &Parts) -> &str {
+    parts.uri.path_and_query().map_or(parts.uri.path(), |pq| pq.as_str())
 }
 
 /// When the replay fast path runs.
@@ -751,15 +775,19 @@ where
         Err(problem) => return tagged(problem.into_response(), "rejected_input"),
     };
     let Some(scope) = (config.scope)(&parts) else {
-        let problem = Problem::new(ProblemKind::Unauthorized, StatusCode::UNAUTHORIZED);
+        // the service's scope function found no principal: a key is never shared across principals by accident
+        let problem = Problem::new(ProblemKind::Unauthorized, StatusCode::UNAUTHORIZED)
+            .detail("no principal to scope this Idempotency-Key by: nothing was executed or stored");
         return tagged(problem.into_response(), "rejected_input");
     };
     let body = match read_body(body, &parts.headers, config.max_request_body).await {
         Ok(b) => b,
         Err(problem) => return tagged(problem.into_response(), "rejected_input"),
     };
-    let route = parts.uri.path_and_query().map_or(parts.uri.path(), |pq| pq.as_str());
-    let fingerprint = Fingerprint::of_request(parts.method.as_str(), route, &body);
+    let fingerprint = match &config.fingerprint {
+        Some(of) => of(&parts, &body),
+        None => Fingerprint::of_request(parts.method.as_str(), route_of(&parts), &body),
+    };
 
     if key.is_future_dated(shared.clock.now()) {
         let problem = layer_problem(ProblemKind::IdempotencyKeyFutureDated, StatusCode::UNPROCESSABLE_ENTITY).detail(

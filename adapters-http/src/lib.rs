@@ -30,7 +30,8 @@ use axum::routing::{get, post};
 pub use api::ApiState;
 pub use auth::{ApiKeys, Merchant};
 pub use idempotency::{
-    FastPath, ForeignCall, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyConfig, IdempotencyLayer, ScopeFn, Tx,
+    FastPath, FingerprintFn, ForeignCall, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyConfig, IdempotencyLayer,
+    ScopeFn, Tx,
 };
 pub use metrics::HttpMetrics;
 pub use problem::{CommitRefusal, PROBLEM_JSON, Problem, ProblemJson, ProblemKind};

@@ -129,7 +129,7 @@ impl ProblemKind {
     /// The human-readable summary (`title`).
     pub fn title(self) -> &'static str {
         match self {
-            Self::Unauthorized => "Missing or invalid API key",
+            Self::Unauthorized => "The request is not authenticated",
             Self::IdempotencyKeyMissing => "Idempotency-Key header is required",
             Self::IdempotencyKeyInvalid => "Idempotency-Key header is invalid",
             Self::IdempotencyKeyReused => "Idempotency-Key was already used with a different request",

@@ -1,6 +1,6 @@
 //! How many **new** idempotency keys a scope (a merchant) may store per second.
 //!
-//! Every executed request stores its answer for the retention (`IDEMPOTENCY_TTL`), whether or not it
+//! Every executed request stores its answer for the retention (`IdempotencyConfig::ttl`), whether or not it
 //! created anything: resending one charge under new keys creates no payment (the provider-id protection
 //! answers "already charged") but stored 4,838 records (7.4 MB) in 5 s at concurrency 4 in the review, and
 //! the per-merchant concurrency limit bounds parallelism, not volume. A token bucket per scope bounds it:

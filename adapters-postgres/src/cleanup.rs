@@ -10,10 +10,10 @@
 //!
 //! # Retention and cleanup
 //!
-//! Every expiring row carries `expires_at`, indexed: idempotency records (`IDEMPOTENCY_TTL`, 24–72 h),
-//! processed events (`DEDUP_TTL`, 24–72 h); published outbox rows are deleted by the relay. `TtlPolicy` refuses
-//! anything outside 24–72 h at start-up. The cleaner (`idem_postgres::cleanup`, started by `idem serve`
-//! every `CLEANUP_INTERVAL`, or `idem cleanup --once`) takes a transaction-scoped advisory lock in a
+//! Every expiring row carries `expires_at`, indexed: idempotency records (the layer's TTL, 24–72 h),
+//! processed events (the runner's `dedup_ttl`, 24–72 h); published outbox rows are deleted by the relay. `TtlPolicy` refuses
+//! anything outside 24–72 h at start-up. The cleaner (`Cleaner`, run by the facade's `Background::cleaner`
+//! on an interval; `idem serve` every `CLEANUP_INTERVAL`) takes a transaction-scoped advisory lock in a
 //! transaction of its own that lives for the round (one cleaner at a time across instances; nothing survives the
 //! round on a pooled connection), then per table deletes in batches of 5,000 found through the `expires_at` index
 //! (`DELETE … WHERE key IN (SELECT … ORDER BY expires_at LIMIT n FOR UPDATE SKIP LOCKED)`): each batch is its

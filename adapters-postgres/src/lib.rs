@@ -4,6 +4,22 @@
 //! errors are mapped to [`StoreError`] here, constraint violations by SQLSTATE and constraint name.
 //! Queries are compile-time checked (`query!`), with the offline data in `.sqlx/` so building needs no
 //! database.
+//!
+//! # What it stores where
+//!
+//! [`PgStore::migrate`] installs these tables in the application's schema (`adapters-postgres/migrations/`,
+//! recorded in `_sqlx_migrations`). Every row is written in the unit of work of the effect it records.
+//!
+//! | table | one row per | columns | kept |
+//! | --- | --- | --- | --- |
+//! | `idempotency_record` | (scope, key) of an HTTP request or an `idem::Idempotent` call | `scope`, `key`, `command_hash` (the fingerprint), `state` (`in_flight`, `completed`), `status_code`, `response_headers`, `response_body`, `created_at`, `expires_at`; between the phases of a foreign call `attempt`, `lease_until`, `recovery_point`, the request (`request_method`, `request_uri`, `request_content_type`, `request_body`), `completer_runs`, `parked_at`, `parked_reason` | the TTL (24–72 h) from completion; the cleaner deletes expired rows; parked rows stay until an operator acts |
+//! | `processed_event` | (consumer group, `event_id`) applied | `consumer_name`, `event_id`, `topic`, `created_at`, `expires_at` | the dedup TTL from the event's time (`TtlPolicy::retain_until`); the cleaner |
+//! | `processed_event_partitioned` | the same, when the dedup storage is partitioned | as above plus `event_time`, ranged by it | whole partitions dropped once expired |
+//! | `outbox_message` | message to publish | `id` (the `event_id`), `seq`, `topic`, `aggregatetype`, `aggregateid` (the Kafka key; `NewOutboxMessage::aggregate_type`/`aggregate_id`), `type` (the `event_type` header), `payload`, `headers`, `saga_id`, `created_at`, `attempts`, `last_error`, `key_shard`, `quarantined_at` | until published (the relay deletes it), or quarantined for an operator |
+//! | `saga_step` | (`saga_id`, step) run | `saga_id`, `step`, `outcome`, `created_at` | not cleaned up |
+//! | `dlq_redrive` | dead letter re-driven by an operator | `dlq_topic`, `dlq_partition`, `dlq_offset`, `event_id`, `source_topic`, `reason`, `redriven_by`, `redriven_at`, `admitted_late` | not cleaned up (an audit) |
+//! | `late_admission` | event admitted past the dedup window | `consumer`, `event_id`, `admitted_by`, `admitted_at`, `applied_at` | not cleaned up |
+//! | `idem_setting` | setting a consumer or cleaner checked at start | `name`, `value`, `previous`, `changed_at` | current values |
 
 #![warn(missing_docs)]
 

@@ -152,6 +152,30 @@ impl Fingerprint {
         Self(hasher.finalize().into())
     }
 
+    /// [`Self::of_request`] with the body's top-level JSON fields named in `ignored` left out: fields a
+    /// client may change between retries of one operation (a client timestamp, a trace id in the body), so
+    /// a retry with a new value replays instead of being a conflict. A body that is not a JSON object is
+    /// fingerprinted whole.
+    pub fn of_request_ignoring(method: &str, route: &str, body: &[u8], ignored: &[&str]) -> Self {
+        match serde_json::from_slice::<serde_json::Value>(body) {
+            Ok(serde_json::Value::Object(mut fields)) if ignored.iter().any(|f| fields.contains_key(*f)) => {
+                for field in ignored {
+                    fields.remove(*field);
+                }
+                let kept = serde_json::to_vec(&fields).unwrap_or_else(|_| body.to_vec());
+                Self::of_request(method, route, &kept)
+            }
+            _ => Self::of_request(method, route, body),
+        }
+    }
+
+    /// The fingerprint of a call of `operation` with `input` (a function run once per key, not an HTTP
+    /// request): the canonical JSON of `input`, so build `input` from the fields that make two calls the
+    /// same operation and leave out the rest.
+    pub fn of_call(operation: &str, input: &impl serde::Serialize) -> Result<Self, serde_json::Error> {
+        Ok(Self::of_request("CALL", operation, &serde_json::to_vec(input)?))
+    }
+
     /// A fingerprint as stored.
     pub fn from_bytes(bytes: [u8; 32]) -> Self {
         Self(bytes)
@@ -451,6 +475,21 @@ mod tests {
 
     fn fp(body: &str) -> Fingerprint {
         Fingerprint::of_request("POST", "/x", body.as_bytes())
+    }
+
+    /// Issue 36: a field left out of the fingerprint may change between retries; any other still conflicts.
+    #[test]
+    fn ignored_fields_do_not_change_the_fingerprint_and_others_do() {
+        let of = |body: &str| Fingerprint::of_request_ignoring("POST", "/x", body.as_bytes(), &["sent_at"]);
+        let first = of(r#"{"amount":"10.00","sent_at":"2026-12-05T10:00:00Z"}"#);
+        assert_eq!(first, of(r#"{"sent_at":"2026-12-05T10:00:09Z","amount":"10.00"}"#));
+        assert_eq!(first, of(r#"{"amount":"10.00"}"#));
+        assert_eq!(first, fp(r#"{"amount":"10.00"}"#), "the same as the whole fingerprint of what is kept");
+        assert_ne!(first, of(r#"{"amount":"10.01","sent_at":"2026-12-05T10:00:00Z"}"#));
+        assert_eq!(of("not json"), fp("not json"));
+        let call = |amount: &str| Fingerprint::of_call("credit", &serde_json::json!({ "amount": amount }));
+        assert_eq!(call("1").expect("serializes"), call("1").expect("serializes"));
+        assert_ne!(call("1").expect("serializes"), call("2").expect("serializes"));
     }
 
     /// Issue 32.5: `IDEMPOTENCY_TTL` raised from 24 h to 72 h by a rolling deploy that takes 5 hours: old

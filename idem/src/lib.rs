@@ -13,6 +13,8 @@
 //!   handler by the `event_type` header, payloads read into your types ([`TypedEventHandler`]).
 //! - [`Background`] (features `kafka` and `postgres`): relay, outbox vacuum, cleaner, topic checks and
 //!   consumers started in one call, under one shutdown token.
+//! - [`Idempotent`]: any operation (a scheduled job, a gRPC or queue handler) run once per key in your unit
+//!   of work, with the HTTP layer's record, replay, conflict and retention rules.
 //! - [`testing`] (feature `testing`, for dev-dependencies): a database per test, a broker and messages,
 //!   commits that die, an application log that counts effects, a shifted clock, a provider stand-in.
 //! - At the root: the ports and values every service uses ([`NewOutboxMessage`], [`EventHandler`],
@@ -27,6 +29,7 @@
 mod background;
 #[cfg(all(feature = "kafka", feature = "postgres"))]
 mod dispatch;
+mod once;
 #[cfg(all(feature = "kafka", feature = "postgres"))]
 mod pg_handler;
 #[cfg(all(feature = "http", feature = "postgres"))]
@@ -44,6 +47,7 @@ pub use idem_ports::{
     self as ports, Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, NewOutboxMessage, StoreError,
     SystemClock, TransactionManager, UnitOfWork, UuidV7Generator,
 };
+pub use once::{Claimed, Idempotent, OnceError, Pending};
 #[cfg(all(feature = "kafka", feature = "postgres"))]
 pub use pg_handler::{PgEventHandler, pg_handler, pg_runner};
 #[cfg(all(feature = "http", feature = "postgres"))]

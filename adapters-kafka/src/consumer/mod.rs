@@ -17,7 +17,7 @@
 //! # In detail
 //!
 //! `consumer::Runner` subscribes with `enable.auto.commit=false` and `enable.auto.offset.store=false`, and per
-//! batch (up to `KAFKA_BATCH_SIZE` messages or `KAFKA_BATCH_TIMEOUT`):
+//! batch (up to `RunnerSettings::batch_size` messages or `batch_timeout`):
 //!
 //! 1. validates `event_id` (UUID v4/v7, non-nil) and `saga_id` headers; invalid → dead-letter list;
 //! 2. one unit of work: `INSERT INTO processed_event … SELECT FROM UNNEST … ORDER BY event_id ON CONFLICT DO
@@ -33,15 +33,15 @@
 //!    a stale map would move the owner's committed offset backwards (`consumer.rs`, `Offsets`; test
 //!    `committed_offsets_never_move_backwards_across_rebalances`).
 //!
-//! Malformed events (unparsable body, missing field, key ≠ order id) are dead-lettered at once; events a
-//! business rule refuses are retried `KAFKA_MAX_REJECTIONS` times, then dead-lettered; transient store errors
+//! Under the default [`RetryPolicy`], malformed events (unparsable body, missing field) are dead-lettered at
+//! once and events a business rule refuses are retried `RunnerSettings::max_rejections` times, then dead-lettered; transient store errors
 //! roll back and retry the same batch with backoff and are never dead-lettered. Transient means connection
 //! loss, lock and statement timeouts, serialization failures, resource (53xxx), I/O (58xxx) and internal
 //! (XX000) errors (`adapters-postgres/src/error.rs`, `is_transient_sqlstate`). When a set-based statement of
 //! the whole batch fails, the batch is retried one event per transaction so a rejection lands on the event
 //! that caused it, never on a neighbour.
 //!
-//! **Admission floor.** An event whose UUID v7 id carries a time older than `DEDUP_TTL − 1 h`
+//! **Admission floor.** An event whose UUID v7 id carries a time older than the dedup TTL less 1 h
 //! (`TtlPolicy::admission_floor`) is never applied: its dedup row may already be gone, so it goes to the
 //! dead-letter topic with reason `older-than-dedup-window`. Every admitted event's row outlives any later
 //! duplicate of it, so dropping dedup partitions by event time is safe; ids without a time (v4) are kept by
@@ -52,16 +52,13 @@
 //! **Kafka outages.** Client errors from `recv()` (transport, all brokers down, timeouts, coordinator,
 //! rebalance) are logged, counted (`idem_consumer_kafka_errors`) and waited out with backoff; a consumer the
 //! client declares fatally broken is replaced. Only a configuration the client refuses at creation stops the
-//! runner. `idem serve` binds HTTP first, then creates topics and starts the consumer in the background,
-//! retrying, so payments are accepted (into the outbox) while Kafka is down, including after a restart. The batch is re-applied
+//! runner. The facade's `Background` (and `idem serve`) creates topics and starts consumers in the background,
+//! retrying, so a service's HTTP API works (writing to the outbox) while Kafka is down, including after a restart. The batch is re-applied
 //! without the dead event, so a poison message never stalls its partition. Shutdown stops fetching, finishes or
 //! rolls back the batch in hand, commits the last offsets synchronously and leaves the group.
 //!
-//! The order handler keeps `order_projection`: an event applies only if its `version` is greater than the
-//! stored one (an upsert with `WHERE o.version < EXCLUDED.version`), so an older or repeated version changes
-//! nothing. `OrderPlaced` charges through the same `charge_payment` use case as HTTP; `OrderCancelled` runs
-//! the compensation as saga step `(saga_id, "refund-payment")` (`domain::saga`): claimed in the same unit, a
-//! repeat returns the recorded outcome.
+//! (The reference payment service's order handler, `idem_domain::usecases::OrderEventHandler`, is one such
+//! handler: README, "For producers to `orders`".)
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;

@@ -7,6 +7,7 @@ mod cleanup;
 mod client;
 mod consumer;
 mod http;
+mod once;
 mod outbox;
 mod payments_provider;
 mod postgres;
