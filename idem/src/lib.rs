@@ -42,10 +42,16 @@ pub mod testing;
 pub use background::Background;
 #[cfg(all(feature = "kafka", feature = "postgres"))]
 pub use dispatch::{Dispatch, TypedEventHandler, Unhandled};
-pub use idem_domain::{self as domain, TtlPolicy};
+/// The rules without I/O: keys and fingerprints, the TTL policy, phases and leases, dedup admission.
+#[doc(inline)]
+pub use idem_domain as domain;
+pub use idem_domain::TtlPolicy;
+/// The boundary: unit of work, repositories, clock and id traits, and the records crossing them.
+#[doc(inline)]
+pub use idem_ports as ports;
 pub use idem_ports::{
-    self as ports, Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, NewOutboxMessage, StoreError,
-    SystemClock, TransactionManager, UnitOfWork, UuidV7Generator,
+    Clock, EventHandler, HandlerError, IdGenerator, InboundEvent, NewOutboxMessage, StoreError, SystemClock,
+    TransactionManager, UnitOfWork, UuidV7Generator,
 };
 pub use once::{Claimed, Idempotent, OnceError, Pending};
 #[cfg(all(feature = "kafka", feature = "postgres"))]
