@@ -28,6 +28,7 @@ mod error;
 pub mod guard;
 pub mod operations;
 mod repos;
+mod servers;
 mod txpool;
 mod wakeup;
 
@@ -136,11 +137,13 @@ pub struct PgStore {
     begin_sql: Option<std::sync::Arc<str>>,
     /// A direct connection (not through the pooler) for migrations and LISTEN.
     direct: Option<DirectOptions>,
+    /// The servers of the URL: the one every new connection goes to (see `servers.rs`).
+    servers: servers::Servers,
 }
 
 /// Connect options of a direct connection; `Debug` never shows them (they hold the password).
 #[derive(Clone)]
-struct DirectOptions(PgConnectOptions);
+struct DirectOptions(servers::Servers);
 
 impl std::fmt::Debug for DirectOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -215,6 +218,24 @@ fn supported_parameters(url: &str) -> Result<std::borrow::Cow<'_, str>, StoreErr
     Ok(if kept.is_empty() { base.to_owned().into() } else { format!("{base}?{}", kept.join("&")).into() })
 }
 
+/// `options` with the session settings of `settings`: behind a transaction pooler no statement cache (the
+/// timeouts travel with every BEGIN instead: it refuses or drops the `options` startup parameter); else
+/// the session timeouts and TCP keepalives as startup options.
+fn with_session_settings(options: PgConnectOptions, settings: &PoolSettings) -> PgConnectOptions {
+    match settings.pooler {
+        Pooler::Transaction => options.statement_cache_capacity(0),
+        Pooler::None => options.options([
+            ("statement_timeout", format!("{}ms", settings.statement_timeout.as_millis())),
+            ("idle_in_transaction_session_timeout", format!("{}ms", settings.idle_in_transaction_timeout.as_millis())),
+            // the server's side of a black-holed connection: its backend is freed within a minute
+            ("tcp_keepalives_idle", "30".to_owned()),
+            ("tcp_keepalives_interval", "10".to_owned()),
+            ("tcp_keepalives_count", "3".to_owned()),
+            ("tcp_user_timeout", "30000".to_owned()),
+        ]),
+    }
+}
+
 /// A transaction pooler (PgBouncer) refuses the `options` startup parameter idem sends with its session
 /// timeouts; its error (`08P01: unsupported startup parameter: options`) does not say what to do.
 fn pooler_hint(e: StoreError) -> StoreError {
@@ -239,24 +260,17 @@ impl PgStore {
     /// Every connection honours libpq's URL parameters `sslmode` (`disable` … `verify-full`),
     /// `sslrootcert`, `sslcert` and `sslkey` (TLS through rustls; with `verify-ca`/`verify-full` and no
     /// `sslrootcert`, the system's trust store).
+    ///
+    /// A URL may name several servers, as libpq's do (`postgres://u@h1:5432,h2:5432/db?target_session_attrs=
+    /// read-write&connect_timeout=3`): every new connection goes to the first that answers and matches
+    /// `target_session_attrs` (`any`, `read-write`, `read-only`, `primary`, `standby`, `prefer-standby`),
+    /// trying the one found last first; after a failover, connections to the old server are closed instead
+    /// of reused.
     pub async fn connect(url: &str, settings: &PoolSettings) -> Result<Self, StoreError> {
-        let options = parse_url(url)?;
-        let options = match settings.pooler {
-            // timeouts travel with every BEGIN instead: a transaction pooler refuses or drops `options`
-            Pooler::Transaction => options.statement_cache_capacity(0),
-            Pooler::None => options.options([
-                ("statement_timeout", format!("{}ms", settings.statement_timeout.as_millis())),
-                (
-                    "idle_in_transaction_session_timeout",
-                    format!("{}ms", settings.idle_in_transaction_timeout.as_millis()),
-                ),
-                // the server's side of a black-holed connection: its backend is freed within a minute
-                ("tcp_keepalives_idle", "30".to_owned()),
-                ("tcp_keepalives_interval", "10".to_owned()),
-                ("tcp_keepalives_count", "3".to_owned()),
-                ("tcp_user_timeout", "30000".to_owned()),
-            ]),
-        };
+        let servers = servers::Servers::parse(url, parse_url)?.map(|options| with_session_settings(options, settings));
+        // the server to start on: the first that answers and matches (several hosts, or a session requirement)
+        servers.resolve().await;
+        let options = servers.current();
         let (ping_after_idle, step) = (settings.ping_after_idle, settings.step_timeout);
         // units of work have their own pool (`txpool.rs`); this one serves health checks, cleanup batches,
         // notifications and operators' queries: a few connections at most
@@ -281,7 +295,8 @@ impl PgStore {
             .connect_with(options)
             .await
             .map_err(|e| pooler_hint(map_sqlx_error(e)))?;
-        Ok(Self::with_settings(pool, settings))
+        servers.follow(&pool);
+        Ok(Self::with_settings(pool, servers, settings))
     }
 
     /// A store on an existing pool (tests), for the queries that are not units of work; units of work get
@@ -294,14 +309,15 @@ impl PgStore {
             acquire_timeout: pool.options().get_acquire_timeout(),
             ..PoolSettings::default()
         };
-        Self::with_settings(pool, &settings)
+        let servers = servers::Servers::single((*pool.connect_options()).clone());
+        Self::with_settings(pool, servers, &settings)
     }
 
-    fn with_settings(pool: PgPool, settings: &PoolSettings) -> Self {
+    fn with_settings(pool: PgPool, servers: servers::Servers, settings: &PoolSettings) -> Self {
         let begin_sql: Option<std::sync::Arc<str>> =
             (settings.pooler == Pooler::Transaction).then(|| pooled_begin(settings).into());
         let transactions = txpool::TxPool::new(
-            (*pool.connect_options()).clone(),
+            servers.clone(),
             txpool::Bounds {
                 max_connections: settings.max_connections,
                 acquire_timeout: settings.acquire_timeout,
@@ -318,21 +334,22 @@ impl PgStore {
             dedup: DedupStorage::Table,
             begin_sql,
             direct: None,
+            servers,
         }
     }
 
     /// A direct connection to the same database for migrations and the relays' `LISTEN`, which a
     /// transaction pooler cannot carry (session advisory lock, session settings, notifications).
     pub fn with_direct_url(mut self, url: &str) -> Result<Self, StoreError> {
-        self.direct = Some(DirectOptions(parse_url(url)?));
+        self.direct = Some(DirectOptions(servers::Servers::parse(url, parse_url)?));
         Ok(self)
     }
 
     /// Whether LISTEN can be used: directly connected, or a direct URL was given.
     pub(crate) fn listen_options(&self) -> Option<PgConnectOptions> {
         match (&self.direct, &self.begin_sql) {
-            (Some(direct), _) => Some(direct.0.clone()),
-            (None, None) => Some((*self.pool.connect_options()).clone()),
+            (Some(direct), _) => Some(direct.0.current()),
+            (None, None) => Some(self.servers.current()),
             (None, Some(_)) => None,
         }
     }
@@ -398,12 +415,12 @@ impl PgStore {
     }
 
     async fn migrate_sets(&self, sets: &[&sqlx::migrate::Migrator]) -> Result<(), StoreError> {
-        let options = match (&self.direct, &self.begin_sql) {
-            (Some(direct), _) => direct.0.clone(),
-            (None, None) => (*self.pool.connect_options()).clone(),
+        let servers = match (&self.direct, &self.begin_sql) {
+            (Some(direct), _) => &direct.0,
+            (None, None) => &self.servers,
             (None, Some(_)) => return self.check_migrated(sets).await,
         };
-        let mut conn = sqlx::PgConnection::connect_with(&options).await.map_err(map_sqlx_error)?;
+        let (mut conn, _) = servers.connect().await.map_err(map_sqlx_error)?;
         sqlx::raw_sql("SET statement_timeout = 0").execute(&mut conn).await.map_err(map_sqlx_error)?;
         let mut result = Ok(());
         for set in sets {
@@ -499,7 +516,12 @@ impl PgStore {
 
     /// Whether the database answers.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::raw_sql("SELECT 1").execute(&self.pool).await.map(|_| ()).map_err(map_sqlx_error)
+        let pinged = sqlx::raw_sql("SELECT 1").execute(&self.pool).await.map(|_| ()).map_err(map_sqlx_error);
+        if pinged.is_err() {
+            // with several servers, the one in use may be gone: find the one to use now
+            self.servers.resolve().await;
+        }
+        pinged
     }
 
     /// Begins a transaction, typed (for adapters' own use and tests).

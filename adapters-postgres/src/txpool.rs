@@ -25,7 +25,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgConnection};
+use sqlx::postgres::PgConnection;
 use sqlx::{Connection, Postgres, TransactionManager};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
@@ -39,7 +39,8 @@ pub(crate) struct TxPool {
 }
 
 struct Inner {
-    options: PgConnectOptions,
+    /// Where new connections go (one server, or the one found of several).
+    servers: crate::servers::Servers,
     /// Most recently returned last: the warmest connection is reused first.
     idle: Mutex<Vec<Idle>>,
     /// One per connection that exists or is being opened: bounds the pool.
@@ -64,8 +65,16 @@ pub(crate) struct Bounds {
 /// A connection resting in the pool.
 struct Idle {
     conn: PgConnection,
-    opened: Instant,
+    opened: Opened,
     returned: Instant,
+}
+
+/// When a connection was opened, and under which generation of the servers (a failover moves it on, and
+/// a connection opened before is closed instead of reused).
+#[derive(Debug, Clone, Copy)]
+struct Opened {
+    at: Instant,
+    generation: u64,
 }
 
 impl std::fmt::Debug for TxPool {
@@ -75,10 +84,10 @@ impl std::fmt::Debug for TxPool {
 }
 
 impl TxPool {
-    pub(crate) fn new(options: PgConnectOptions, bounds: Bounds, begin_sql: Option<Arc<str>>) -> Self {
+    pub(crate) fn new(servers: crate::servers::Servers, bounds: Bounds, begin_sql: Option<Arc<str>>) -> Self {
         Self {
             inner: Arc::new(Inner {
-                options,
+                servers,
                 idle: Mutex::new(Vec::new()),
                 permits: Arc::new(Semaphore::new(bounds.max_connections.max(1) as usize)),
                 bounds,
@@ -135,8 +144,12 @@ impl TxPool {
         let step = |now: Instant| (now + bounds.step_timeout).min(deadline);
         loop {
             let (mut conn, opened, reused) = match self.inner.take_idle() {
-                Some(Idle { conn, opened, .. }) if opened.elapsed() > bounds.max_lifetime => {
+                Some(Idle { conn, opened, .. }) if opened.at.elapsed() > bounds.max_lifetime => {
                     close_bounded(conn, bounds.step_timeout); // lived long enough (server-side caches grow)
+                    continue;
+                }
+                Some(Idle { conn, opened, .. }) if opened.generation != self.inner.servers.generation() => {
+                    close_bounded(conn, bounds.step_timeout); // to a server the URL's others replaced
                     continue;
                 }
                 Some(Idle { mut conn, opened, returned }) => {
@@ -154,10 +167,10 @@ impl TxPool {
                     (conn, opened, true)
                 }
                 None => {
-                    let connect = PgConnection::connect_with(&self.inner.options);
-                    let conn =
+                    let connect = self.inner.servers.connect();
+                    let (conn, generation) =
                         tokio::time::timeout_at(deadline, connect).await.map_err(|_| sqlx::Error::PoolTimedOut)??;
-                    (conn, Instant::now(), false)
+                    (conn, Opened { at: Instant::now(), generation }, false)
                 }
             };
             let statement = self.inner.begin_sql.as_ref().map(|sql| std::borrow::Cow::Owned(sql.to_string()));
@@ -200,7 +213,7 @@ impl Inner {
         std::mem::take(&mut *self.idle.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
     }
 
-    fn put(&self, conn: PgConnection, opened: Instant) {
+    fn put(&self, conn: PgConnection, opened: Opened) {
         if !self.permits.is_closed() {
             let idle = Idle { conn, opened, returned: Instant::now() };
             self.idle.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(idle);
@@ -211,7 +224,7 @@ impl Inner {
 /// A pooled connection with an open transaction (see the module docs for how it goes back).
 pub(crate) struct TxConnection {
     conn: Option<PgConnection>,
-    opened: Instant,
+    opened: Opened,
     inner: Arc<Inner>,
     /// Released after the connection is back in the pool (or closed).
     permit: Option<OwnedSemaphorePermit>,

@@ -219,6 +219,33 @@ impl PrivatePostgres {
     pub fn url(&self, database: &str) -> String {
         format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
     }
+
+    /// A streaming standby of this cluster (`pg_basebackup -R`), started and accepting read-only sessions.
+    pub async fn standby(&self) -> anyhow::Result<Self> {
+        let bindir = pg_bindir()?;
+        let dir = tempfile::Builder::new().prefix("idem-pg-standby-").tempdir()?;
+        give_to_postgres(dir.path())?;
+        let mut base = as_postgres(&bindir.join("pg_basebackup"));
+        base.arg("-D").arg(dir.path().join("data")).args(["-R", "-X", "stream", "-h", "127.0.0.1", "-U", "postgres"]);
+        base.args(["-p", &self.port.to_string()]);
+        run(base, "pg_basebackup")?;
+        // the copied configuration names the primary's port and socket: the lines appended last win
+        let hba = "local all all trust\nhost all all 127.0.0.1/32 trust\nhost replication all 127.0.0.1/32 trust\n";
+        let port = configure_and_start(&bindir, dir.path(), "", hba)?;
+        Ok(Self { dir, bindir, port })
+    }
+
+    /// Promotes this standby to a primary and waits until it is one.
+    pub fn promote(&self) -> anyhow::Result<()> {
+        let mut promote = as_postgres(&self.bindir.join("pg_ctl"));
+        promote.arg("-D").arg(self.dir.path().join("data")).args(["-w", "promote"]).stdout(Stdio::null());
+        run(promote, "pg_ctl promote")
+    }
+
+    /// Stops the server at once (`-m immediate`: no checkpoint, its clients' connections cut), as a crash.
+    pub fn crash(&self) {
+        stop_cluster(&self.bindir, self.dir.path());
+    }
 }
 
 impl Drop for PrivatePostgres {

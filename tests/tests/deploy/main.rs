@@ -496,3 +496,76 @@ async fn behind_pgbouncer_other_clients_settings_and_statements_are_left_alone()
     assert_eq!(charges_executed_twice(&db).await?, vec![], "a charge was executed twice");
     Ok(())
 }
+
+/// Issue 34.2: the URL HA tools hand out, `postgres://h1,h2/db?target_session_attrs=read-write`, which sqlx
+/// cannot follow. It names a streaming standby first and the primary second: idem migrates and serves on the
+/// primary. The primary then crashes and the standby is promoted (replication had caught up, so nothing
+/// acknowledged is lost here: losing it is the cluster harness's subject): new charges reach the new
+/// primary within seconds, through the same URL, and every acknowledged charge is there once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_host_url_follows_a_failover_to_the_promoted_standby() -> anyhow::Result<()> {
+    use idem_tests::infra::PrivatePostgres;
+    let primary = PrivatePostgres::start("").await?;
+    let standby = primary.standby().await?;
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write&connect_timeout=2",
+        standby.port, primary.port
+    );
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut service = Service::new(&url, &brokers);
+    service.start().await?;
+    let client = service.client();
+    charge_and_replay(&client, "mh-before", 10, 5).await?;
+
+    let on_primary = sqlx::PgPool::connect(&primary.url("postgres")).await?;
+    let on_standby = sqlx::PgPool::connect(&standby.url("postgres")).await?;
+    let target: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text").fetch_one(&on_primary).await?;
+    let caught_up = eventually(Duration::from_secs(30), || async {
+        Ok(sqlx::query_scalar::<_, bool>("SELECT pg_last_wal_replay_lsn() >= $1::pg_lsn")
+            .bind(&target)
+            .fetch_one(&on_standby)
+            .await?)
+    })
+    .await?;
+    assert!(caught_up, "the standby never replayed the primary's WAL");
+    on_primary.close().await;
+
+    primary.crash();
+    let crashed = Instant::now();
+    standby.promote()?;
+    let first_success = std::sync::Mutex::new(None);
+    let served = eventually(Duration::from_secs(60), || async {
+        let reply =
+            client.charge(&IdemClient::new_key(), &charge_request(&format!("mh-probe-{}", Uuid::now_v7()))).await;
+        if matches!(&reply, Ok(r) if r.status == 201) {
+            first_success.lock().expect("lock").get_or_insert(crashed.elapsed());
+            return Ok(true);
+        }
+        Ok(false)
+    })
+    .await?;
+    assert!(served, "no charge succeeded on the promoted standby");
+    println!("first charge served {:?} after the primary crashed", first_success.lock().expect("lock"));
+    charge_and_replay(&client, "mh-after", 10, 5).await?;
+
+    let count = |pattern: &'static str| {
+        let pool = on_standby.clone();
+        async move {
+            anyhow::Ok(
+                sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payment WHERE external_payment_id LIKE $1")
+                    .bind(pattern)
+                    .fetch_one(&pool)
+                    .await?,
+            )
+        }
+    };
+    assert_eq!(count("mh-before-%").await?, 10, "a charge acknowledged before the failover is missing");
+    assert_eq!(count("mh-after-%").await?, 10);
+    let ready = eventually(Duration::from_secs(15), || async {
+        Ok(reqwest::get(format!("{}/readyz", service.admin)).await?.status() == 200)
+    })
+    .await?;
+    assert!(ready, "/readyz never recovered after the failover");
+    assert!(service.terminate(), "idem did not stop cleanly");
+    Ok(())
+}
