@@ -5,6 +5,9 @@ pub fn map_sqlx_error(err: sqlx::Error) -> StoreError {
     match &err {
         sqlx::Error::Database(db) => {
             let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+            if matches!(code.as_str(), "25006" | "57P01" | "57P02" | "57P03") {
+                crate::servers::server_lost(); // a demoted or departing server: its connections are not reused
+            }
             match code.as_str() {
                 "23505" => StoreError::UniqueViolation { constraint: db.constraint().unwrap_or_default().to_owned() },
                 "55P03" => StoreError::LockTimeout,

@@ -87,6 +87,17 @@ impl std::fmt::Debug for Servers {
 
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Statements that found their server demoted or going away (`25006` read-only, `57P01`–`57P03`), in
+/// this process: each one ends the generation of every set of servers, so no connection opened before is
+/// reused (one to a demoted primary would fail every transaction until its lifetime ended) and the next
+/// connection looks for the server to use again.
+static SERVER_LOST: AtomicU64 = AtomicU64::new(0);
+
+/// Records a statement that found its server demoted or going away (see [`SERVER_LOST`]).
+pub(crate) fn server_lost() {
+    SERVER_LOST.fetch_add(1, SeqCst);
+}
+
 impl Servers {
     /// One server, any session.
     pub(crate) fn single(options: PgConnectOptions) -> Self {
@@ -130,9 +141,10 @@ impl Servers {
         self.0.hosts[self.0.preferred.load(SeqCst).min(self.0.hosts.len() - 1)].clone()
     }
 
-    /// Moves on whenever a new server is found: connections opened under an older generation are closed.
+    /// Moves on whenever a new server is found, or a statement found its server demoted ([`SERVER_LOST`]):
+    /// connections opened under an older generation are closed.
     pub(crate) fn generation(&self) -> u64 {
-        self.0.generation.load(SeqCst)
+        self.0.generation.load(SeqCst).wrapping_add(SERVER_LOST.load(SeqCst))
     }
 
     /// Keeps `pool`'s connect options on the server found last.

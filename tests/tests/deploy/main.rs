@@ -569,3 +569,67 @@ async fn a_multi_host_url_follows_a_failover_to_the_promoted_standby() -> anyhow
     assert!(service.terminate(), "idem did not stop cleanly");
     Ok(())
 }
+
+/// Issue 34.2: a primary demoted while idem's connections to it stay open (here: made read-only by
+/// `default_transaction_read_only`, while its standby is promoted). Each unit of work on a reused
+/// connection failed with `25006` until the connection's lifetime (30 min) ended; a statement that finds its
+/// server read-only now ends the generation of the connections, and the next unit of work finds the new
+/// primary of the URL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_to_a_demoted_primary_are_not_reused() -> anyhow::Result<()> {
+    use idem_ports::TransactionManager;
+    use idem_postgres::{PgStore, PgUnitOfWork, PoolSettings};
+    use idem_tests::infra::PrivatePostgres;
+    let primary = PrivatePostgres::start("").await?;
+    let admin = sqlx::PgPool::connect(&primary.url("postgres")).await?;
+    sqlx::raw_sql("CREATE TABLE test_write (n int)").execute(&admin).await?;
+    let standby = primary.standby().await?;
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write&connect_timeout=2",
+        primary.port, standby.port
+    );
+    let store = PgStore::connect(&url, &PoolSettings::default()).await?;
+    let write = |n: i32| {
+        let store = store.clone();
+        async move {
+            let mut uow = store.begin().await?;
+            let pg = PgUnitOfWork::of(uow.as_mut())?;
+            sqlx::query("INSERT INTO test_write VALUES ($1)")
+                .bind(n)
+                .execute(pg.connection())
+                .await
+                .map_err(idem_postgres::map_sqlx_error)?;
+            uow.commit().await?;
+            anyhow::Ok(())
+        }
+    };
+    // connections open and resting in the pool, all to the primary
+    futures::future::try_join_all((0..4).map(write)).await?;
+
+    // the primary turns read-only with its sessions still open; the standby takes over
+    sqlx::query("ALTER SYSTEM SET default_transaction_read_only = on").execute(&admin).await?;
+    sqlx::query("SELECT pg_reload_conf()").execute(&admin).await?;
+    standby.promote()?;
+    tokio::time::sleep(Duration::from_millis(300)).await; // the reload reaches every session
+    let mut failed = 0;
+    let mut written = false;
+    for n in 100..120 {
+        match write(n).await {
+            Ok(()) => {
+                written = true;
+                break;
+            }
+            Err(e) => {
+                println!("unit of work {n}: {e}");
+                failed += 1;
+            }
+        }
+    }
+    println!("units of work that failed before one reached the new primary: {failed}");
+    assert!(written, "every unit of work failed on the demoted primary");
+    assert!(failed <= 1, "{failed} units of work reused connections to the demoted primary");
+    let on_new = sqlx::PgPool::connect(&standby.url("postgres")).await?;
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM test_write WHERE n >= 100").fetch_one(&on_new).await?;
+    assert_eq!(rows, 1, "the write went to the promoted standby");
+    Ok(())
+}
