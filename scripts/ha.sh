@@ -1,0 +1,233 @@
+#!/usr/bin/env bash
+# A PostgreSQL 15 cluster for failover tests, from Debian's packages: etcd, three nodes under Patroni with
+# synchronous replication (synchronous_mode and synchronous_mode_strict on, maximum_lag_on_failover 0), and
+# HAProxy routing a read-write port to the current primary by Patroni's REST health check. Everything
+# listens on loopback only; state lives under .local/ha/ (HA_DIR).
+#
+#   scripts/ha.sh up            installs what is missing, starts the cluster, prints DATABASE_URL=… (through
+#                               HAProxy) and DATABASE_MULTIHOST_URL=… (the three nodes, read-write)
+#   scripts/ha.sh status        {"primary": NAME, "members": [{"name", "role", "state", "host", "port"}]}
+#   scripts/ha.sh kill-primary  SIGKILL of the primary node: its Patroni and its postmaster (a machine that
+#                               died; the postmaster alone would be restarted in place by its Patroni)
+#   scripts/ha.sh heal          starts every node that is down again (it rejoins as a replica)
+#   scripts/ha.sh async|sync    synchronous mode off / on (for the control run)
+#   scripts/ha.sh down          stops everything and removes the state
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+dir=${HA_DIR:-$root/.local/ha}
+base_port=${HA_BASE_PORT:-21500}
+etcd_client=$((base_port)) etcd_peer=$((base_port + 1)) haproxy_port=$((base_port + 2))
+pg_port() { echo $((base_port + 10 + $1)); }
+api_port() { echo $((base_port + 20 + $1)); }
+nodes=(1 2 3)
+
+log() { printf '[ha] %s\n' "$*" >&2; }
+as_postgres() { if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+bindir() { ls -d /usr/lib/postgresql/15/bin 2>/dev/null || ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n1; }
+
+install() {
+  local missing=()
+  for p in patroni etcd-server etcd-client haproxy postgresql-15; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return
+  log "installing ${missing[*]}"
+  sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null 2>&1 || {
+    sudo_if_needed apt-get update -q >/dev/null
+    sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+  }
+}
+
+start_etcd() {
+  port_open "$etcd_client" && return
+  mkdir -p "$dir/etcd"
+  setsid nohup etcd --name ha --data-dir "$dir/etcd" \
+    --listen-client-urls "http://127.0.0.1:$etcd_client" --advertise-client-urls "http://127.0.0.1:$etcd_client" \
+    --listen-peer-urls "http://127.0.0.1:$etcd_peer" --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer" \
+    --initial-cluster "ha=http://127.0.0.1:$etcd_peer" --enable-v2=false >"$dir/etcd.log" 2>&1 &
+  echo $! >"$dir/etcd.pid"
+  for _ in $(seq 1 100); do port_open "$etcd_client" && return; sleep 0.1; done
+  log "etcd did not start (see $dir/etcd.log)"; exit 1
+}
+
+node_config() {
+  local n=$1
+  cat >"$dir/n$n.yml" <<EOF
+scope: idem-ha
+name: n$n
+restapi:
+  listen: 127.0.0.1:$(api_port "$n")
+  connect_address: 127.0.0.1:$(api_port "$n")
+etcd3:
+  hosts: 127.0.0.1:$etcd_client
+bootstrap:
+  dcs:
+    ttl: 10
+    loop_wait: 1
+    retry_timeout: 4
+    maximum_lag_on_failover: 0
+    synchronous_mode: true
+    synchronous_mode_strict: true
+    postgresql:
+      use_pg_rewind: true
+      parameters:
+        synchronous_commit: "on"
+        wal_log_hints: "on"
+        max_connections: 100
+        shared_buffers: 32MB
+        fsync: "off"
+  initdb:
+    - encoding: UTF8
+    - auth-local: trust
+    - auth-host: trust
+  pg_hba:
+    - local all all trust
+    - host all all 127.0.0.1/32 trust
+    - host replication all 127.0.0.1/32 trust
+postgresql:
+  listen: 127.0.0.1:$(pg_port "$n")
+  connect_address: 127.0.0.1:$(pg_port "$n")
+  data_dir: $dir/n$n/data
+  bin_dir: $(bindir)
+  pgpass: $dir/n$n/pgpass
+  authentication:
+    superuser:
+      username: postgres
+      password: postgres
+    replication:
+      username: postgres
+      password: postgres
+    rewind:
+      username: postgres
+      password: postgres
+  parameters:
+    unix_socket_directories: $dir/n$n
+tags:
+  nofailover: false
+  noloadbalance: false
+EOF
+}
+
+# Patroni's own process (`…/bin/patroni FILE`), not the runuser wrapper around it.
+node_pid() { pgrep -f "bin/patroni $dir/n$1.yml" | head -n1; }
+
+start_node() {
+  local n=$1
+  [ -n "$(node_pid "$n")" ] && return
+  mkdir -p "$dir/n$n"
+  chmod 700 "$dir/n$n"
+  [ "$(id -u)" -eq 0 ] && chown -R postgres:postgres "$dir/n$n" "$dir/n$n.yml"
+  # a session of its own: nothing sent to the caller's process group reaches it
+  as_postgres setsid nohup patroni "$dir/n$n.yml" >>"$dir/n$n.log" 2>&1 &
+}
+
+start_haproxy() {
+  [ -f "$dir/haproxy.pid" ] && kill -0 "$(cat "$dir/haproxy.pid")" 2>/dev/null && return
+  {
+    echo "global"
+    echo "  maxconn 200"
+    echo "defaults"
+    echo "  mode tcp"
+    echo "  timeout connect 2s"
+    echo "  timeout client 30m"
+    echo "  timeout server 30m"
+    echo "  timeout check 1s"
+    echo "listen primary"
+    echo "  bind 127.0.0.1:$haproxy_port"
+    echo "  option httpchk OPTIONS /primary"
+    echo "  http-check expect status 200"
+    echo "  default-server inter 500ms fall 2 rise 2 on-marked-down shutdown-sessions"
+    for n in "${nodes[@]}"; do
+      echo "  server n$n 127.0.0.1:$(pg_port "$n") maxconn 100 check port $(api_port "$n")"
+    done
+  } >"$dir/haproxy.cfg"
+  haproxy -D -f "$dir/haproxy.cfg" -p "$dir/haproxy.pid"
+}
+
+members_json() {
+  curl -fsS "http://127.0.0.1:$(api_port "${1:-1}")/cluster" 2>/dev/null
+}
+
+status() {
+  local raw=""
+  for n in "${nodes[@]}"; do raw=$(members_json "$n") && break; done
+  python3 - "$raw" <<'EOF'
+import json, sys
+raw = sys.argv[1]
+cluster = json.loads(raw) if raw else {"members": []}
+members = [{"name": m["name"], "role": m.get("role"), "state": m.get("state"), "host": m.get("host"), "port": m.get("port")}
+           for m in cluster.get("members", [])]
+primary = next((m["name"] for m in members if m["role"] == "leader" and m["state"] == "running"), None)
+print(json.dumps({"primary": primary, "members": members}))
+EOF
+}
+
+# Waits until a primary runs and both other nodes stream from it, one of them as the synchronous standby.
+wait_healthy() {
+  for _ in $(seq 1 "${1:-600}"); do
+    if status | python3 -c '
+import json, sys
+s = json.load(sys.stdin)
+ms = s["members"]
+ok = s["primary"] and len(ms) == 3 and all(m["state"] in ("running", "streaming") for m in ms) \
+     and any(m["role"] == "sync_standby" for m in ms)
+sys.exit(0 if ok else 1)'; then return 0; fi
+    sleep 0.2
+  done
+  log "the cluster did not become healthy: $(status)"; return 1
+}
+
+primary_node() { status | python3 -c 'import json,sys; p=json.load(sys.stdin)["primary"]; print(p[1:] if p else "")'; }
+
+urls() {
+  echo "DATABASE_URL=postgres://postgres:postgres@127.0.0.1:$haproxy_port/postgres"
+  local hosts=""
+  for n in "${nodes[@]}"; do hosts="$hosts${hosts:+,}127.0.0.1:$(pg_port "$n")"; done
+  echo "DATABASE_MULTIHOST_URL=postgres://postgres:postgres@$hosts/postgres?target_session_attrs=read-write&connect_timeout=2"
+}
+
+case "${1:-}" in
+  up)
+    install
+    mkdir -p "$dir"
+    start_etcd
+    for n in "${nodes[@]}"; do node_config "$n"; start_node "$n"; done
+    wait_healthy 900
+    start_haproxy
+    for _ in $(seq 1 100); do port_open "$haproxy_port" && break; sleep 0.1; done
+    urls
+    ;;
+  status) status ;;
+  urls) urls ;;
+  wait) wait_healthy "${2:-600}" ;;
+  kill-primary)
+    p=$(primary_node)
+    [ -n "$p" ] || { log "no primary"; exit 1; }
+    postmaster=$(head -n1 "$dir/n$p/data/postmaster.pid" 2>/dev/null || true)
+    kill -9 "$(node_pid "$p")"
+    [ -n "$postmaster" ] && kill -9 "$postmaster" 2>/dev/null || true
+    echo "n$p"
+    ;;
+  heal)
+    for n in "${nodes[@]}"; do start_node "$n"; done
+    ;;
+  async | sync)
+    mode=$([ "$1" = sync ] && echo true || echo false)
+    as_postgres patronictl -c "$dir/n1.yml" edit-config --force \
+      -s "synchronous_mode=$mode" -s "synchronous_mode_strict=$mode" >/dev/null
+    ;;
+  down)
+    [ -f "$dir/haproxy.pid" ] && kill "$(cat "$dir/haproxy.pid")" 2>/dev/null || true
+    for n in "${nodes[@]}"; do
+      pkill -9 -f "bin/patroni $dir/n$n.yml" 2>/dev/null || true
+      [ -f "$dir/n$n/data/postmaster.pid" ] && kill -9 "$(head -n1 "$dir/n$n/data/postmaster.pid")" 2>/dev/null || true
+    done
+    [ -f "$dir/etcd.pid" ] && kill "$(cat "$dir/etcd.pid")" 2>/dev/null || true
+    sleep 0.5
+    rm -rf "$dir"
+    ;;
+  *) echo "usage: $0 up|status|urls|wait|kill-primary|heal|async|sync|down" >&2; exit 2 ;;
+esac
