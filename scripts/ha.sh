@@ -30,7 +30,7 @@ bindir() { ls -d /usr/lib/postgresql/15/bin 2>/dev/null || ls -d /usr/lib/postgr
 
 install() {
   local missing=()
-  for p in patroni etcd-server etcd-client haproxy postgresql-15; do
+  for p in patroni etcd-server etcd-client haproxy postgresql-15 postgresql-client-15 curl; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   [ ${#missing[@]} -eq 0 ] && return
@@ -197,7 +197,16 @@ case "${1:-}" in
     for n in "${nodes[@]}"; do node_config "$n"; start_node "$n"; done
     wait_healthy 900
     start_haproxy
-    for _ in $(seq 1 100); do port_open "$haproxy_port" && break; sleep 0.1; done
+    # HAProxy starts with every server up until its checks say otherwise: wait until ten connections in a
+    # row reach the primary
+    in_a_row=0
+    for _ in $(seq 1 300); do
+      if [ "$(psql "postgres://postgres:postgres@127.0.0.1:$haproxy_port/postgres?connect_timeout=1" -Atc \
+            'SELECT pg_is_in_recovery()' 2>/dev/null)" = f ]; then in_a_row=$((in_a_row + 1)); else in_a_row=0; fi
+      [ "$in_a_row" -ge 10 ] && break
+      sleep 0.1
+    done
+    [ "$in_a_row" -ge 10 ] || { log "HAProxy does not route to the primary"; exit 1; }
     urls
     ;;
   status) status ;;

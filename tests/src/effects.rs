@@ -37,6 +37,11 @@ pub async fn log_order_applications(db: &TestDb) -> anyhow::Result<()> {
 /// charge executed twice proposes twice even when `UNIQUE (provider, external_payment_id)` then keeps one
 /// payment, so this counts executions of the HTTP handler and of order events, not surviving rows.
 pub async fn log_payment_attempts(db: &TestDb) -> anyhow::Result<()> {
+    log_payment_attempts_in(db.pool()).await
+}
+
+/// [`log_payment_attempts`] in the database of `pool` (a cluster the test did not create).
+pub async fn log_payment_attempts_in(pool: &sqlx::PgPool) -> anyhow::Result<()> {
     sqlx::raw_sql(
         "CREATE TABLE test_payment_attempt (n bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, external_payment_id text NOT NULL);
          CREATE FUNCTION test_payment_attempt_log() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -44,15 +49,20 @@ pub async fn log_payment_attempts(db: &TestDb) -> anyhow::Result<()> {
          CREATE TRIGGER test_payment_attempt_log BEFORE INSERT ON payment
              FOR EACH ROW EXECUTE FUNCTION test_payment_attempt_log();",
     )
-    .execute(db.pool())
+    .execute(pool)
     .await?;
     Ok(())
 }
 
 /// Provider payment ids whose charge was executed (committed) more than once, with their counts.
 pub async fn charges_executed_twice(db: &TestDb) -> anyhow::Result<Vec<(String, i64)>> {
+    charges_executed_twice_in(db.pool()).await
+}
+
+/// [`charges_executed_twice`] in the database of `pool`.
+pub async fn charges_executed_twice_in(pool: &sqlx::PgPool) -> anyhow::Result<Vec<(String, i64)>> {
     Ok(sqlx::query_as("SELECT external_payment_id, count(*) FROM test_payment_attempt GROUP BY 1 HAVING count(*) > 1")
-        .fetch_all(db.pool())
+        .fetch_all(pool)
         .await?)
 }
 

@@ -449,3 +449,59 @@ impl Drop for FreezingProxy {
         self.stop.cancel();
     }
 }
+
+/// The Patroni cluster of `scripts/ha.sh` (etcd, three PostgreSQL nodes with synchronous replication,
+/// HAProxy), in a directory of its own on ports from `base_port`; taken down when dropped.
+#[derive(Debug)]
+pub struct HaCluster {
+    dir: tempfile::TempDir,
+    base_port: u16,
+    /// Through HAProxy's read-write port.
+    pub url: String,
+    /// The three nodes, `target_session_attrs=read-write`.
+    pub multihost_url: String,
+}
+
+impl HaCluster {
+    pub fn up(base_port: u16) -> anyhow::Result<Self> {
+        let dir = tempfile::Builder::new().prefix("idem-ha-").tempdir()?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            // the nodes run as `postgres`, in directories below this one
+            std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+        }
+        let mut cluster = Self { dir, base_port, url: String::new(), multihost_url: String::new() };
+        let printed = cluster.run("up")?;
+        let line = |name: &str| {
+            printed.lines().find_map(|l| l.strip_prefix(name)).map(str::to_owned).context("ha.sh up printed no URL")
+        };
+        cluster.url = line("DATABASE_URL=")?;
+        cluster.multihost_url = line("DATABASE_MULTIHOST_URL=")?;
+        Ok(cluster)
+    }
+
+    /// Runs `scripts/ha.sh COMMAND` on this cluster; returns what it printed.
+    pub fn run(&self, command: &str) -> anyhow::Result<String> {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/ha.sh");
+        let out = Command::new(script)
+            .arg(command)
+            .env("HA_DIR", self.dir.path().join("ha"))
+            .env("HA_BASE_PORT", self.base_port.to_string())
+            .output()
+            .with_context(|| format!("running ha.sh {command}"))?;
+        anyhow::ensure!(out.status.success(), "ha.sh {command} failed: {}", String::from_utf8_lossy(&out.stderr));
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// The name of the current primary (`n1`…`n3`), if one runs.
+    pub fn primary(&self) -> anyhow::Result<Option<String>> {
+        let status: serde_json::Value = serde_json::from_str(&self.run("status")?)?;
+        Ok(status["primary"].as_str().map(str::to_owned))
+    }
+}
+
+impl Drop for HaCluster {
+    fn drop(&mut self) {
+        let _ = self.run("down");
+    }
+}

@@ -633,3 +633,103 @@ async fn connections_to_a_demoted_primary_are_not_reused() -> anyhow::Result<()>
     assert_eq!(rows, 1, "the write went to the promoted standby");
     Ok(())
 }
+
+/// Issue 34: a real failover under load. scripts/ha.sh's Patroni cluster (three nodes, synchronous_mode_strict,
+/// HAProxy); one idem on the HAProxy URL and one on the multi-host URL, clients charging through both and
+/// retrying with the same key. The primary node dies (Patroni and postmaster, SIGKILL) mid-load; Patroni
+/// promotes the synchronous standby. Counted on the new primary: every acknowledged charge exactly once with
+/// its acknowledged payment id, no charge executed twice (the attempt log), nothing charged that was not
+/// asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_patroni_failover_under_load_loses_and_duplicates_no_charge() -> anyhow::Result<()> {
+    use idem_tests::effects::{charges_executed_twice_in, log_payment_attempts_in};
+    use idem_tests::infra::HaCluster;
+    use std::sync::Arc;
+    use tokio::sync::Mutex;
+
+    let cluster = HaCluster::up(15500)?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut through_haproxy = Service::new(&cluster.url, &brokers);
+    through_haproxy.start().await?;
+    let admin = sqlx::PgPool::connect(&cluster.url).await?;
+    log_payment_attempts_in(&admin).await?;
+    admin.close().await;
+    let mut multihost = Service::new(&cluster.multihost_url, &brokers);
+    multihost.start().await?;
+
+    // (key, external id, acknowledged payment id) per operation, and the operations that gave up
+    let acknowledged = Arc::new(Mutex::new(Vec::<(String, String, String)>::new()));
+    let unknown = Arc::new(Mutex::new(Vec::<(String, String)>::new()));
+    let stop = idem::CancellationToken::new();
+    // when each success was answered: the longest gap after the kill is the outage clients saw
+    let successes = Arc::new(Mutex::new(Vec::<Instant>::new()));
+    let mut clients = Vec::new();
+    for (i, service) in [&through_haproxy, &through_haproxy, &multihost, &multihost].iter().enumerate() {
+        let (client, stop) = (service.client(), stop.clone());
+        let (acknowledged, unknown) = (acknowledged.clone(), unknown.clone());
+        let successes = successes.clone();
+        clients.push(tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                let (key, external) = (IdemClient::new_key(), format!("ha-{i}-{}", Uuid::now_v7().simple()));
+                match client.charge(&key, &charge_request(&external)).await {
+                    Ok(reply) if reply.status == 201 => {
+                        let id = reply.body["id"].as_str().unwrap_or_default().to_owned();
+                        acknowledged.lock().await.push((key, external, id));
+                        successes.lock().await.push(Instant::now());
+                    }
+                    _ => unknown.lock().await.push((key, external)),
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before = acknowledged.lock().await.len();
+    let old = cluster.primary()?;
+    let killed = cluster.run("kill-primary")?;
+    let killed_at = Instant::now();
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    stop.cancel();
+    for c in clients {
+        c.await?;
+    }
+    let new = cluster.primary()?;
+    // operations that gave up are retried once with their key: each ends executed once or not at all
+    let client = through_haproxy.client();
+    for (key, external) in unknown.lock().await.drain(..) {
+        let reply = client.charge(&key, &charge_request(&external)).await?;
+        assert_eq!(reply.status, 201, "{:?}", reply.body);
+        let id = reply.body["id"].as_str().unwrap_or_default().to_owned();
+        acknowledged.lock().await.push((key, external, id));
+    }
+    let acknowledged = acknowledged.lock().await.clone();
+    let mut after: Vec<Instant> = successes.lock().await.iter().copied().filter(|t| *t >= killed_at).collect();
+    after.sort();
+    let outage = std::iter::once(killed_at)
+        .chain(after.iter().copied())
+        .zip(after.iter().copied())
+        .map(|(a, b)| b - a)
+        .max()
+        .unwrap_or_default();
+    println!(
+        "primary {old:?} killed ({}) -> {new:?}; {before} charges before, {} in all; longest time without a success \
+         after the kill: {outage:?}; {} successes after it",
+        killed.trim(),
+        acknowledged.len(),
+        after.len()
+    );
+    assert_ne!(old, new, "no failover happened");
+
+    let on_new = sqlx::PgPool::connect(&cluster.url).await?;
+    for (_, external, id) in &acknowledged {
+        let rows: Vec<(String,)> = sqlx::query_as("SELECT id::text FROM payment WHERE external_payment_id = $1")
+            .bind(external)
+            .fetch_all(&on_new)
+            .await?;
+        assert_eq!(rows, vec![(id.clone(),)], "acknowledged charge {external} lost or changed by the failover");
+    }
+    let payments: i64 = sqlx::query_scalar("SELECT count(*) FROM payment").fetch_one(&on_new).await?;
+    assert_eq!(payments as usize, acknowledged.len(), "a payment no client was told of");
+    assert_eq!(charges_executed_twice_in(&on_new).await?, vec![], "a charge was executed twice");
+    assert!(after.len() > 100, "the service did not recover after the failover: {} successes", after.len());
+    Ok(())
+}
