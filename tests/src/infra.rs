@@ -6,9 +6,9 @@
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use anyhow::Context;
+use idem::testing::wait_for_port;
 use tokio_util::sync::CancellationToken;
 
 /// A CA with a server certificate for `localhost` and `127.0.0.1`, and a second CA that signed nothing
@@ -102,17 +102,6 @@ pub fn pg_bindir() -> anyhow::Result<PathBuf> {
         .collect();
     found.sort();
     found.pop().map(|(_, bin)| bin).context("no PostgreSQL server under /usr/lib/postgresql")
-}
-
-/// Waits (up to 30 s) until something listens on the loopback `port`.
-pub(crate) async fn wait_for_port(port: u16, what: &str) -> anyhow::Result<()> {
-    for _ in 0..600 {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    anyhow::bail!("{what} did not listen on {port}")
 }
 
 /// A private PostgreSQL cluster that accepts only TLS connections with a SCRAM password on TCP

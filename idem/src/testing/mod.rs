@@ -97,8 +97,8 @@ pub fn v7_at(at: chrono::DateTime<chrono::Utc>) -> uuid::Uuid {
     uuid::Uuid::new_v7(ts)
 }
 
-/// Waits until something listens on the loopback `port` (about 30 s at most).
-pub(crate) async fn wait_for_port(port: u16, what: &str) -> anyhow::Result<()> {
+/// Waits until something listens on the loopback `port` (about 30 s at most); `what` names it in the error.
+pub async fn wait_for_port(port: u16, what: &str) -> anyhow::Result<()> {
     for _ in 0..600 {
         if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
             return Ok(());
