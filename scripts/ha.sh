@@ -21,6 +21,8 @@ etcd_client=$((base_port)) etcd_peer=$((base_port + 1)) haproxy_port=$((base_por
 pg_port() { echo $((base_port + 10 + $1)); }
 api_port() { echo $((base_port + 20 + $1)); }
 nodes=(1 2 3)
+# one DCS scope per state directory: a cluster never meets another's keys in a shared or leftover etcd
+scope="idem-ha-$(printf '%s' "$dir" | md5sum | cut -c1-12)"
 
 log() { printf '[ha] %s\n' "$*" >&2; }
 as_postgres() { if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
@@ -41,8 +43,33 @@ install() {
   }
 }
 
+# A cluster whose script was killed before `down` (its test process ended abruptly) leaves etcd, HAProxy,
+# Patroni and PostgreSQL running on this port range: they are ended first. Only processes of ha.sh clusters
+# (their command lines name an `ha` state directory) are touched.
+reclaim_ports() {
+  local port pid cmd
+  for port in $(seq "$base_port" $((base_port + 23))); do
+    for pid in $(ss -ltnpH "sport = :$port" 2>/dev/null | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u); do
+      cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null || true)
+      case "$cmd" in
+        *"$dir/"*) ;;                                   # this cluster's own
+        *etcd\ --name\ ha*|*haproxy*/ha/haproxy.cfg*|*patroni*/ha/n*|*postgres*/ha/n*/data*|*postgres*idem-ha*)
+          log "ending a leftover cluster's process on port $port: $cmd"
+          kill -9 "$pid" 2>/dev/null || true ;;
+      esac
+    done
+  done
+  # their Patroni processes hold no port of this range (the REST API does): end those whose state is gone
+  for pid in $(pgrep -f "bin/patroni .*/ha/n[0-9].yml" || true); do
+    cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null || true)
+    yml=${cmd##* }; yml=${yml% }
+    [ -e "$yml" ] || { log "ending a leftover Patroni: $cmd"; kill -9 "$pid" 2>/dev/null || true; }
+  done
+  sleep 0.3
+}
+
 start_etcd() {
-  port_open "$etcd_client" && return
+  [ -f "$dir/etcd.pid" ] && kill -0 "$(cat "$dir/etcd.pid")" 2>/dev/null && return
   mkdir -p "$dir/etcd"
   setsid nohup etcd --name ha --data-dir "$dir/etcd" \
     --listen-client-urls "http://127.0.0.1:$etcd_client" --advertise-client-urls "http://127.0.0.1:$etcd_client" \
@@ -56,7 +83,7 @@ start_etcd() {
 node_config() {
   local n=$1
   cat >"$dir/n$n.yml" <<EOF
-scope: idem-ha
+scope: $scope
 name: n$n
 restapi:
   listen: 127.0.0.1:$(api_port "$n")
@@ -193,6 +220,7 @@ case "${1:-}" in
   up)
     install
     mkdir -p "$dir"
+    reclaim_ports
     start_etcd
     for n in "${nodes[@]}"; do node_config "$n"; start_node "$n"; done
     wait_healthy 900
