@@ -113,3 +113,35 @@ async fn a_field_left_out_of_the_fingerprint_may_change_between_retries() -> any
     assert_eq!(fees(&db).await?, 1);
     Ok(())
 }
+
+/// Issue 36: a toolkit service whose scope function finds no principal was told "Missing or invalid API
+/// key" though it has no API keys. The 401 now says what is missing, and nothing runs.
+#[tokio::test]
+async fn a_request_without_a_principal_is_told_so_and_runs_nothing() -> anyhow::Result<()> {
+    use axum::routing::post;
+    use idem::http::{IdempotencyConfig, IdempotencyLayer};
+
+    let db = TestDb::new().await?;
+    let ran = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = ran.clone();
+    let handler = move || {
+        let counter = counter.clone();
+        async move {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            "ran"
+        }
+    };
+    let ttl = TtlPolicy::new(Duration::from_secs(24 * 3600))?;
+    let scope = Arc::new(|_: &axum::http::request::Parts| None);
+    let tm: Arc<dyn TransactionManager> = Arc::new(db.store.clone());
+    let layer = IdempotencyLayer::new(tm, Arc::new(idem::SystemClock), IdempotencyConfig::new(ttl, scope));
+    let base = idem::testing::serve(axum::Router::new().route("/jobs", post(handler)).route_layer(layer)).await?;
+    let reply = reqwest::Client::new().post(format!("{base}/jobs")).header("idempotency-key", "k-1").send().await?;
+    assert_eq!(reply.status().as_u16(), 401);
+    let body: serde_json::Value = reply.json().await?;
+    assert_eq!(body["title"], "The request is not authenticated", "{body}");
+    assert!(body["detail"].as_str().unwrap_or_default().contains("no principal"), "{body}");
+    assert!(!body.to_string().contains("API key"), "{body}");
+    assert_eq!((ran.load(std::sync::atomic::Ordering::SeqCst), db.count("idempotency_record").await?), (0, 0));
+    Ok(())
+}
