@@ -659,7 +659,7 @@ async fn a_patroni_failover_under_load_loses_and_duplicates_no_charge() -> anyho
 
     // (key, external id, acknowledged payment id) per operation, and the operations that gave up
     let acknowledged = Arc::new(Mutex::new(Vec::<(String, String, String)>::new()));
-    let unknown = Arc::new(Mutex::new(Vec::<(String, String)>::new()));
+    let unknown = Arc::new(Mutex::new(Vec::<(String, String, idem_http::client::ChargeRequest)>::new()));
     let stop = idem::CancellationToken::new();
     // when each success was answered: the longest gap after the kill is the outage clients saw
     let successes = Arc::new(Mutex::new(Vec::<Instant>::new()));
@@ -671,13 +671,14 @@ async fn a_patroni_failover_under_load_loses_and_duplicates_no_charge() -> anyho
         clients.push(tokio::spawn(async move {
             while !stop.is_cancelled() {
                 let (key, external) = (IdemClient::new_key(), format!("ha-{i}-{}", Uuid::now_v7().simple()));
-                match client.charge(&key, &charge_request(&external)).await {
+                let request = charge_request(&external);
+                match client.charge(&key, &request).await {
                     Ok(reply) if reply.status == 201 => {
                         let id = reply.body["id"].as_str().unwrap_or_default().to_owned();
                         acknowledged.lock().await.push((key, external, id));
                         successes.lock().await.push(Instant::now());
                     }
-                    _ => unknown.lock().await.push((key, external)),
+                    _ => unknown.lock().await.push((key, external, request)),
                 }
             }
         }));
@@ -693,10 +694,10 @@ async fn a_patroni_failover_under_load_loses_and_duplicates_no_charge() -> anyho
         c.await?;
     }
     let new = cluster.primary()?;
-    // operations that gave up are retried once with their key: each ends executed once or not at all
+    // operations that gave up are sent again, the same request with its key: each ends executed once
     let client = through_haproxy.client();
-    for (key, external) in unknown.lock().await.drain(..) {
-        let reply = client.charge(&key, &charge_request(&external)).await?;
+    for (key, external, request) in unknown.lock().await.drain(..) {
+        let reply = client.charge(&key, &request).await?;
         assert_eq!(reply.status, 201, "{:?}", reply.body);
         let id = reply.body["id"].as_str().unwrap_or_default().to_owned();
         acknowledged.lock().await.push((key, external, id));
