@@ -809,6 +809,11 @@ where
         && let Ok(Some(record)) = shared.tm.completed_record(&scope, key.as_str()).await
         && let Decision::Replay(stored) = decide(Some(&record), &fingerprint, shared.clock.now())
     {
+        // a record visible on the primary may be one no standby has (a cancelled commit wait): the
+        // answer waits until a standby has it, or is not given
+        if let Err(e) = shared.tm.confirm_replicated().await {
+            return store_failure(&e);
+        }
         tracing::debug!(key = %key.as_str(), "idempotent replay (fast path)");
         shared.replays.record(true);
         return tagged(replay(stored), "replayed");
@@ -884,6 +889,12 @@ where
                 }
             }
             Decision::Replay(stored) => {
+                // as on the fast path: answered only once a synchronous standby has the record (bounded:
+                // a standby that does not confirm is a prompt 503, not a request held open)
+                drop(uow);
+                if let Err(e) = shared.tm.confirm_replicated().await {
+                    return store_failure(&e);
+                }
                 tracing::debug!(key = %claim.key, "idempotent replay");
                 shared.replays.record(true);
                 tagged(replay(stored), "replayed")

@@ -27,6 +27,7 @@ pub mod cleanup;
 mod error;
 pub mod guard;
 pub mod operations;
+mod replication;
 mod repos;
 mod servers;
 mod txpool;
@@ -139,6 +140,8 @@ pub struct PgStore {
     direct: Option<DirectOptions>,
     /// The servers of the URL: the one every new connection goes to (see `servers.rs`).
     servers: servers::Servers,
+    /// Whether replays must wait for a synchronous standby (see `replication.rs`).
+    replication: replication::Memo,
 }
 
 /// Connect options of a direct connection; `Debug` never shows them (they hold the password).
@@ -335,6 +338,7 @@ impl PgStore {
             begin_sql,
             direct: None,
             servers,
+            replication: replication::Memo::default(),
         }
     }
 
@@ -546,6 +550,7 @@ impl PgStore {
             wrote_outbox: false,
             aborted: false,
             unchecked: false,
+            replication: self.replication.clone(),
         })
     }
 }
@@ -602,6 +607,34 @@ impl TransactionManager for PgStore {
             _ => Ok(None),
         }
     }
+
+    /// An autocommit statement whose commit waits for the synchronous standby (`replication.rs`), bounded
+    /// by the step timeout: a standby that does not confirm is an unavailable store, never a silent pass.
+    async fn confirm_replicated(&self) -> Result<(), StoreError> {
+        if self.replication.no_standby() {
+            return Ok(());
+        }
+        let mut conn = self.transactions.plain().await.map_err(map_sqlx_error)?;
+        // `fetch_all` reads up to ReadyForQuery, which PostgreSQL sends after the commit's wait
+        let barrier = sqlx::query_scalar::<_, bool>(replication::BARRIER)
+            .bind(self.replication.slot())
+            .fetch_all(conn.connection());
+        let standby = match tokio::time::timeout(self.transactions.step_timeout(), barrier).await {
+            Ok(rows) => !rows.map_err(map_sqlx_error)?.is_empty(),
+            // the connection is dropped unreleased (closed); its backend goes on waiting, holding nothing
+            Err(_) => return Err(unconfirmed(self.transactions.step_timeout())),
+        };
+        conn.release();
+        self.replication.found(standby);
+        Ok(())
+    }
+}
+
+fn unconfirmed(bound: Duration) -> StoreError {
+    StoreError::Unavailable(format!(
+        "the synchronous standby did not confirm the stored answer within {} ms: it is not given until a standby          has it",
+        bound.as_millis()
+    ))
 }
 
 /// One PostgreSQL transaction. Dropping it uncommitted rolls back (before its connection can be reused).
@@ -620,6 +653,7 @@ pub struct PgUnitOfWork {
     /// The unit's span, from `BEGIN` to its end (`outcome`: committed, rolled back, refused; none when dropped:
     /// rolled back). A debug span: exported when tracing is on, free otherwise.
     span: tracing::Span,
+    replication: replication::Memo,
 }
 
 impl PgUnitOfWork {
@@ -717,5 +751,19 @@ impl UnitOfWork for PgUnitOfWork {
     async fn rollback(self: Box<Self>) -> Result<(), StoreError> {
         self.span.record("outcome", "rolled back");
         self.tx.rollback().await.map_err(map_sqlx_error)
+    }
+
+    /// One statement in this transaction: with a synchronous standby configured it writes a barrier row,
+    /// so the commit writes WAL after everything this unit read and waits for the standby
+    /// (`replication.rs`). The commit is then bounded like any: a caller that gives up never answers.
+    async fn confirm_replication(&mut self) -> Result<(), StoreError> {
+        if self.replication.no_standby() {
+            return Ok(());
+        }
+        let slot = self.replication.slot();
+        let rows = sqlx::query_scalar::<_, bool>(replication::BARRIER).bind(slot).fetch_all(self.db()).await;
+        let standby = !rows.map_err(|e| self.failed(e))?.is_empty();
+        self.replication.found(standby);
+        Ok(())
     }
 }

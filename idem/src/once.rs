@@ -24,7 +24,10 @@ use serde::de::DeserializeOwned;
 /// let fingerprint = Fingerprint::of_call("monthly-fee", &input)?;
 /// let mut uow = tm.begin().await?;
 /// let fee: u64 = match once.claim(uow.as_mut(), "job:fees", "m-7/2026-11", fingerprint).await? {
-///     Claimed::Replay(fee) => fee, // charged before (this run is a retry): nothing runs again
+///     Claimed::Replay(fee) => {
+///         uow.commit().await?; // returns once a synchronous standby has the stored result
+///         fee // charged before (this run is a retry): nothing runs again
+///     }
 ///     Claimed::Run(pending) => {
 ///         let fee = 1_200; // your writes through `uow` (PgUnitOfWork::of for your SQL)
 ///         once.complete(uow.as_mut(), pending, &fee).await?;
@@ -56,7 +59,10 @@ impl std::fmt::Debug for Idempotent {
 pub enum Claimed<T> {
     /// The key is yours in this unit of work: run the operation, then [`Idempotent::complete`].
     Run(Pending),
-    /// The operation ran before with the same input: its stored result.
+    /// The operation ran before with the same input: its stored result. Commit the unit before acting on
+    /// it: its commit returns only once the store's synchronous standby has the result (a commit whose
+    /// standby wait was cancelled is visible on the primary and on no standby; see
+    /// `UnitOfWork::confirm_replication`).
     Replay(T),
 }
 
@@ -141,7 +147,10 @@ impl Idempotent {
         match outcome {
             ClaimOutcome::Claimed => Ok(Claimed::Run(Pending { scope: claim.scope, key: claim.key })),
             ClaimOutcome::Existing(record) => match decide(Some(&record), &fingerprint, now) {
-                Decision::Replay(stored) => Ok(Claimed::Replay(serde_json::from_slice(&stored.body)?)),
+                Decision::Replay(stored) => {
+                    uow.confirm_replication().await?;
+                    Ok(Claimed::Replay(serde_json::from_slice(&stored.body)?))
+                }
                 Decision::Conflict => Err(OnceError::Conflict),
                 Decision::Execute | Decision::InFlight | Decision::Resume { .. } => Err(OnceError::InFlight),
             },

@@ -39,6 +39,17 @@ pub trait TransactionManager: Send + Sync {
     async fn check_consumer(&self, _consumer: &ConsumerIdentity) -> Result<Option<RetentionRaise>, SettingsCheckError> {
         Ok(None)
     }
+
+    /// Returns once every commit visible now is on the standbys the store must confirm commits on — the
+    /// replay fast path calls it before answering from a record it read outside a transaction. A commit
+    /// whose wait for its synchronous standby was cancelled (an operator's cancel, a dropped client noticed
+    /// by `client_connection_check_interval`, a terminated session) is visible on the primary although no
+    /// standby has it: answered from, it would be a success the next failover takes back. MUST fail (a
+    /// transient error) rather than return while that cannot be confirmed. A store without standbys has
+    /// nothing to confirm (the default).
+    async fn confirm_replicated(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
 
 /// What a consumer runs with, for [`TransactionManager::check_consumer`].
@@ -104,6 +115,14 @@ pub trait UnitOfWork: Send {
 
     /// Rolls back explicitly (dropping does the same, without waiting for the server's answer).
     async fn rollback(self: Box<Self>) -> Result<(), StoreError>;
+
+    /// Makes this unit's commit return only once everything committed before it — what it read included —
+    /// is on the store's synchronous standbys ([`TransactionManager::confirm_replicated`] says why): call it
+    /// before answering from a record this unit read (a replay, a duplicate event), then commit. A store
+    /// without standbys has nothing to confirm (the default); a wrapper forwards it.
+    async fn confirm_replication(&mut self) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
 
 /// The reference payment service's own unit of work: idem's, plus the service's repositories. idem's

@@ -149,6 +149,13 @@ impl Runner {
                 return BatchOutcome::EventFailed { index, error };
             }
         }
+        // a duplicate's offset is committed on the strength of its processed row, which a cancelled
+        // commit wait can leave visible on the primary and on no standby: this commit waits for one
+        if duplicates > 0
+            && let Err(e) = uow.confirm_replication().await
+        {
+            return failed(e);
+        }
         match uow.commit().await {
             Ok(()) => {
                 self.stats.processed.inc_by(applied.len() as u64);

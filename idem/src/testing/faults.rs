@@ -88,6 +88,12 @@ impl TransactionManager for FaultyCommits {
         let commit = (self.decide)();
         Ok(Box::new(FaultyUow { inner: self.inner.begin().await?, commit }))
     }
+    async fn completed_record(&self, scope: &str, key: &str) -> Result<Option<idem_ports::IdempotencyRecord>, StoreError> {
+        self.inner.completed_record(scope, key).await
+    }
+    async fn confirm_replicated(&self) -> Result<(), StoreError> {
+        self.inner.confirm_replicated().await
+    }
 }
 
 struct FaultyUow {
@@ -118,5 +124,8 @@ impl UnitOfWork for FaultyUow {
     }
     async fn rollback(self: Box<Self>) -> Result<(), StoreError> {
         self.inner.rollback().await
+    }
+    async fn confirm_replication(&mut self) -> Result<(), StoreError> {
+        self.inner.confirm_replication().await
     }
 }

@@ -734,3 +734,109 @@ async fn a_patroni_failover_under_load_loses_and_duplicates_no_charge() -> anyho
     assert!(after.len() > 100, "the service did not recover after the failover: {} successes", after.len());
     Ok(())
 }
+
+/// Issue 34.4: the cancelled standby wait. A primary with one synchronous standby, its WAL sender frozen
+/// (SIGSTOP): every commit waits for the standby. A charge then gives up at idem's step timeout; its backend
+/// keeps waiting, the commit invisible. Something ends the wait — here an operator's `pg_cancel_backend`;
+/// `client_connection_check_interval` and `pg_terminate_backend` do the same — and PostgreSQL makes the
+/// commit visible on the primary although the standby never received it ("The transaction has already
+/// committed locally, but might not have been replicated to the standby"). A retry with the same key must
+/// not be answered 201 from that record, on the replay fast path or the full one: the primary then
+/// crashes, the standby is promoted, and every charge a client was told succeeded must be on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_standby_wait_was_cancelled_is_never_answered_as_a_success() -> anyhow::Result<()> {
+    use idem_tests::infra::PrivatePostgres;
+    let primary = PrivatePostgres::start("").await?;
+    let standby = primary.standby().await?;
+    let on_primary = sqlx::PgPool::connect(&primary.url("postgres")).await?;
+    let on_standby = sqlx::PgPool::connect(&standby.url("postgres")).await?;
+    sqlx::query("ALTER SYSTEM SET synchronous_standby_names = '*'").execute(&on_primary).await?;
+    sqlx::query("SELECT pg_reload_conf()").execute(&on_primary).await?;
+    let synchronous = eventually(Duration::from_secs(30), || async {
+        Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'")
+            .fetch_one(&on_primary)
+            .await?
+            == 1)
+    })
+    .await?;
+    assert!(synchronous, "the standby never became synchronous");
+    let brokers = idem_tests::kafka_brokers().await?;
+    let mut full_path = Service::new(&primary.url("postgres"), &brokers).with_env("IDEMPOTENCY_REPLAY_FAST_PATH", "never");
+    full_path.start().await?;
+    let mut fast_path = Service::new(&primary.url("postgres"), &brokers).with_env("IDEMPOTENCY_REPLAY_FAST_PATH", "always");
+    fast_path.start().await?;
+    // one attempt per call: the test decides what is sent again
+    let once = idem_http::client::RetryPolicy {
+        max_attempts: 1,
+        base_delay: Duration::from_millis(10),
+        max_delay: Duration::from_millis(10),
+        timeout: Duration::from_secs(10),
+    };
+    let (full, fast) = (full_path.client_with(once.clone()), fast_path.client_with(once));
+    // answered 201 anywhere, first or replayed: (external id, payment id)
+    let mut succeeded = Vec::new();
+    let before = charge_request("sync-before");
+    let key_before = IdemClient::new_key();
+    let reply = full.charge(&key_before, &before).await?;
+    assert_eq!(reply.status, 201, "{:?}", reply.body);
+    succeeded.push(("sync-before".to_owned(), reply.body["id"].as_str().unwrap_or_default().to_owned()));
+    // with the standby confirming, replays on both paths are answered (the barrier passes)
+    for client in [&full, &fast] {
+        let replay = client.charge(&key_before, &before).await?;
+        assert_eq!((replay.status, &replay.body["id"]), (201, &reply.body["id"]), "a replay of a replicated charge");
+    }
+
+    // the primary's WAL sender, frozen: WAL already in a socket buffer would reach a frozen receiver later
+    let sender: i32 = sqlx::query_scalar("SELECT pid FROM pg_stat_replication").fetch_one(&on_primary).await?;
+    let signal = |sig: &str| std::process::Command::new("kill").args([sig, &sender.to_string()]).status();
+    assert!(signal("-STOP")?.success());
+    let request = charge_request("sync-cancelled");
+    let key = IdemClient::new_key();
+    match full.charge(&key, &request).await {
+        Ok(first) => assert_ne!(first.status, 201, "answered before the standby confirmed: {:?}", first.body),
+        Err(e) => println!("the first send got no answer: {e}"),
+    }
+    let cancelled = eventually(Duration::from_secs(10), || async {
+        Ok(sqlx::query_scalar::<_, bool>(
+            "SELECT coalesce(bool_or(pg_cancel_backend(pid)), false) FROM pg_stat_activity WHERE wait_event = 'SyncRep'",
+        )
+        .fetch_one(&on_primary)
+        .await?)
+    })
+    .await?;
+    assert!(cancelled, "no commit was waiting for the standby");
+    let visible = eventually(Duration::from_secs(10), || async {
+        Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payment WHERE external_payment_id = 'sync-cancelled'")
+            .fetch_one(&on_primary)
+            .await?
+            == 1)
+    })
+    .await?;
+    assert!(visible, "the cancelled wait did not leave the commit visible on the primary (the scenario)");
+    for (path, client) in [("full", &full), ("fast", &fast), ("fast", &fast)] {
+        match client.charge(&key, &request).await {
+            Ok(replay) => {
+                println!("replay on the {path} path while the standby is frozen: {}", replay.status);
+                if replay.status == 201 {
+                    let id = replay.body["id"].as_str().unwrap_or_default().to_owned();
+                    succeeded.push(("sync-cancelled".to_owned(), id));
+                }
+            }
+            Err(e) => println!("replay on the {path} path while the standby is frozen: no answer ({e})"),
+        }
+    }
+    // and the charge acknowledged before the freeze still replays: its record is replicated
+    let replay_before = full.charge(&key_before, &before).await.map(|r| r.status);
+    println!("replay of the replicated charge while the standby is frozen: {replay_before:?}");
+
+    primary.crash(); // its frozen WAL sender is killed: the standby never receives the cancelled commit
+    standby.promote()?;
+    for (external, id) in &succeeded {
+        let rows: Vec<(String,)> = sqlx::query_as("SELECT id::text FROM payment WHERE external_payment_id = $1")
+            .bind(external)
+            .fetch_all(&on_standby)
+            .await?;
+        assert_eq!(rows, vec![(id.clone(),)], "{external} was answered 201 but the promoted standby lacks it");
+    }
+    Ok(())
+}

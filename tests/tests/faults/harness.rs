@@ -228,12 +228,16 @@ impl Service {
     }
 
     pub fn client(&self) -> IdemClient {
-        let policy = RetryPolicy {
+        self.client_with(RetryPolicy {
             max_attempts: 200,
             base_delay: Duration::from_millis(50),
             max_delay: Duration::from_millis(500),
             timeout: Duration::from_secs(5),
-        };
+        })
+    }
+
+    /// A client of this service that retries by `policy`.
+    pub fn client_with(&self, policy: RetryPolicy) -> IdemClient {
         IdemClient::new(&self.base, API_KEY, policy).unwrap()
     }
 }
