@@ -9,9 +9,17 @@
 #   scripts/ha.sh status        {"primary": NAME, "members": [{"name", "role", "state", "host", "port"}]}
 #   scripts/ha.sh kill-primary  SIGKILL of the primary node: its Patroni and its postmaster (a machine that
 #                               died; the postmaster alone would be restarted in place by its Patroni)
-#   scripts/ha.sh heal          starts every node that is down again (it rejoins as a replica)
-#   scripts/ha.sh async|sync    synchronous mode off / on (for the control run)
+#   scripts/ha.sh isolate-primary    black-holes the primary (no RST, no FIN) from clients and peers alike
+#   scripts/ha.sh partition-primary  cuts the primary from its peers and etcd; clients still reach it
+#   scripts/ha.sh heal          lifts every cut and starts every node that is down (it rejoins as a replica)
+#   scripts/ha.sh async|sync    synchronous mode off / on (for the control run; async also lets a lagging
+#                               standby be promoted, as a cluster without synchronous replication does)
 #   scripts/ha.sh down          stops everything and removes the state
+#
+# As root, each node runs in a network namespace of its own, on a bridge in one more namespace the script
+# creates; the host reaches them as 10.X.0.1 (X from HA_BASE_PORT), where etcd and HAProxy listen, and cuts
+# are nftables rules that drop packets inside the node's namespace. Without root (HA_NETNS=0) every node
+# listens on loopback and the cuts are not available.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,6 +29,15 @@ etcd_client=$((base_port)) etcd_peer=$((base_port + 1)) haproxy_port=$((base_por
 pg_port() { echo $((base_port + 10 + $1)); }
 api_port() { echo $((base_port + 20 + $1)); }
 nodes=(1 2 3)
+netns=${HA_NETNS:-$([ "$(id -u)" -eq 0 ] && echo 1 || echo 0)}
+net="10.$((100 + (base_port / 100) % 150))"
+ns_of() { echo "idemha${base_port}-n$1"; }
+switch_ns="idemha${base_port}-sw"
+host_if="ih${base_port}"
+# where a node listens, and where the host side (clients, etcd, HAProxy) is
+node_ip() { if [ "$netns" = 1 ]; then echo "$net.0.1$1"; else echo 127.0.0.1; fi; }
+host_ip() { if [ "$netns" = 1 ]; then echo "$net.0.1"; else echo 127.0.0.1; fi; }
+in_node() { local n=$1; shift; if [ "$netns" = 1 ]; then ip netns exec "$(ns_of "$n")" "$@"; else "$@"; fi; }
 # one DCS scope per state directory: a cluster never meets another's keys in a shared or leftover etcd
 scope="idem-ha-$(printf '%s' "$dir" | md5sum | cut -c1-12)"
 
@@ -32,7 +49,7 @@ bindir() { ls -d /usr/lib/postgresql/15/bin 2>/dev/null || ls -d /usr/lib/postgr
 
 install() {
   local missing=()
-  for p in patroni etcd-server etcd-client haproxy postgresql-15 postgresql-client-15 curl; do
+  for p in patroni etcd-server etcd-client haproxy postgresql-15 postgresql-client-15 curl nftables iproute2; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   [ ${#missing[@]} -eq 0 ] && return
@@ -68,13 +85,81 @@ reclaim_ports() {
   sleep 0.3
 }
 
+# The namespaces: a bridge in the switch namespace, one veth from the host and one from each node to it.
+# A leftover set of this port range (a killed test) is removed first, with whatever runs inside.
+net_down() {
+  [ "$netns" = 1 ] || return 0
+  local ns pid
+  for ns in $(ip netns list | awk '{print $1}' | grep -E "^idemha${base_port}-" || true); do
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
+    ip netns del "$ns" 2>/dev/null || true
+  done
+  ip link del "$host_if" 2>/dev/null || true
+}
+
+net_up() {
+  [ "$netns" = 1 ] || return 0
+  net_down
+  ip netns add "$switch_ns"
+  ip netns exec "$switch_ns" ip link add br0 type bridge
+  ip netns exec "$switch_ns" ip link set br0 up
+  ip link add "$host_if" type veth peer name up0 netns "$switch_ns"
+  ip netns exec "$switch_ns" ip link set up0 master br0 up
+  ip addr add "$(host_ip)/24" dev "$host_if"
+  ip link set "$host_if" up
+  local n ns
+  for n in "${nodes[@]}"; do
+    ns=$(ns_of "$n")
+    ip netns add "$ns"
+    ip link add "${host_if}n$n" type veth peer name eth0 netns "$ns"
+    ip link set "${host_if}n$n" netns "$switch_ns"
+    ip netns exec "$switch_ns" ip link set "${host_if}n$n" master br0 up
+    ip netns exec "$ns" ip addr add "$(node_ip "$n")/24" dev eth0
+    ip netns exec "$ns" ip link set eth0 up
+    ip netns exec "$ns" ip link set lo up
+  done
+}
+
+# Drops, inside node n's namespace, every packet to and from `what`: "all" (isolation) or "peers" (the
+# other nodes and etcd; the host's clients and HAProxy still get through).
+cut_node() {
+  local n=$1 what=$2 rules peers="" m
+  [ "$netns" = 1 ] || { log "cuts need network namespaces (run as root)"; exit 1; }
+  if [ "$what" = all ]; then
+    rules="add rule inet cut in iifname eth0 drop
+add rule inet cut out oifname eth0 drop"
+  else
+    for m in "${nodes[@]}"; do [ "$m" = "$n" ] || peers="$peers${peers:+, }$(node_ip "$m")"; done
+    rules="add rule inet cut in ip saddr { $peers } drop
+add rule inet cut out ip daddr { $peers } drop
+add rule inet cut in ip saddr $(host_ip) tcp sport { $etcd_client, $etcd_peer } drop
+add rule inet cut out ip daddr $(host_ip) tcp dport { $etcd_client, $etcd_peer } drop"
+  fi
+  in_node "$n" nft -f - <<EOF
+table inet cut
+delete table inet cut
+table inet cut {
+  chain in { type filter hook input priority 0; policy accept; }
+  chain out { type filter hook output priority 0; policy accept; }
+}
+$rules
+EOF
+}
+
+uncut_all() {
+  [ "$netns" = 1 ] || return 0
+  local n
+  for n in "${nodes[@]}"; do in_node "$n" nft delete table inet cut 2>/dev/null || true; done
+}
+
 start_etcd() {
   [ -f "$dir/etcd.pid" ] && kill -0 "$(cat "$dir/etcd.pid")" 2>/dev/null && return
   mkdir -p "$dir/etcd"
   setsid nohup etcd --name ha --data-dir "$dir/etcd" \
-    --listen-client-urls "http://127.0.0.1:$etcd_client" --advertise-client-urls "http://127.0.0.1:$etcd_client" \
-    --listen-peer-urls "http://127.0.0.1:$etcd_peer" --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer" \
-    --initial-cluster "ha=http://127.0.0.1:$etcd_peer" --enable-v2=false >"$dir/etcd.log" 2>&1 &
+    --listen-client-urls "http://$(host_ip):$etcd_client$([ "$netns" = 1 ] && echo ",http://127.0.0.1:$etcd_client")" \
+    --advertise-client-urls "http://$(host_ip):$etcd_client" \
+    --listen-peer-urls "http://$(host_ip):$etcd_peer" --initial-advertise-peer-urls "http://$(host_ip):$etcd_peer" \
+    --initial-cluster "ha=http://$(host_ip):$etcd_peer" --enable-v2=false >"$dir/etcd.log" 2>&1 &
   echo $! >"$dir/etcd.pid"
   for _ in $(seq 1 100); do port_open "$etcd_client" && return; sleep 0.1; done
   log "etcd did not start (see $dir/etcd.log)"; exit 1
@@ -86,10 +171,10 @@ node_config() {
 scope: $scope
 name: n$n
 restapi:
-  listen: 127.0.0.1:$(api_port "$n")
-  connect_address: 127.0.0.1:$(api_port "$n")
+  listen: $(node_ip "$n"):$(api_port "$n")
+  connect_address: $(node_ip "$n"):$(api_port "$n")
 etcd3:
-  hosts: 127.0.0.1:$etcd_client
+  hosts: $(host_ip):$etcd_client
 bootstrap:
   dcs:
     ttl: 10
@@ -114,9 +199,11 @@ bootstrap:
     - local all all trust
     - host all all 127.0.0.1/32 trust
     - host replication all 127.0.0.1/32 trust
+    - host all all $net.0.0/24 trust
+    - host replication all $net.0.0/24 trust
 postgresql:
-  listen: 127.0.0.1:$(pg_port "$n")
-  connect_address: 127.0.0.1:$(pg_port "$n")
+  listen: $(node_ip "$n"):$(pg_port "$n")
+  connect_address: $(node_ip "$n"):$(pg_port "$n")
   data_dir: $dir/n$n/data
   bin_dir: $(bindir)
   pgpass: $dir/n$n/pgpass
@@ -148,7 +235,11 @@ start_node() {
   chmod 700 "$dir/n$n"
   [ "$(id -u)" -eq 0 ] && chown -R postgres:postgres "$dir/n$n" "$dir/n$n.yml"
   # a session of its own: nothing sent to the caller's process group reaches it
-  as_postgres setsid nohup patroni "$dir/n$n.yml" >>"$dir/n$n.log" 2>&1 &
+  if [ "$netns" = 1 ]; then
+    ip netns exec "$(ns_of "$n")" runuser -u postgres -- setsid nohup patroni "$dir/n$n.yml" >>"$dir/n$n.log" 2>&1 &
+  else
+    as_postgres setsid nohup patroni "$dir/n$n.yml" >>"$dir/n$n.log" 2>&1 &
+  fi
 }
 
 start_haproxy() {
@@ -168,14 +259,14 @@ start_haproxy() {
     echo "  http-check expect status 200"
     echo "  default-server inter 500ms fall 2 rise 2 on-marked-down shutdown-sessions"
     for n in "${nodes[@]}"; do
-      echo "  server n$n 127.0.0.1:$(pg_port "$n") maxconn 100 check port $(api_port "$n")"
+      echo "  server n$n $(node_ip "$n"):$(pg_port "$n") maxconn 100 check port $(api_port "$n")"
     done
   } >"$dir/haproxy.cfg"
   haproxy -D -f "$dir/haproxy.cfg" -p "$dir/haproxy.pid"
 }
 
 members_json() {
-  curl -fsS "http://127.0.0.1:$(api_port "${1:-1}")/cluster" 2>/dev/null
+  curl -fsS --max-time 1 "http://$(node_ip "${1:-1}"):$(api_port "${1:-1}")/cluster" 2>/dev/null
 }
 
 status() {
@@ -192,16 +283,19 @@ print(json.dumps({"primary": primary, "members": members}))
 EOF
 }
 
-# Waits until a primary runs and both other nodes stream from it, one of them as the synchronous standby.
+# Waits until a primary runs and both other nodes stream from it, one of them as the synchronous standby
+# (unless `async` switched synchronous mode off).
 wait_healthy() {
+  local sync=1
+  [ "$(cat "$dir/mode" 2>/dev/null)" = async ] && sync=0
   for _ in $(seq 1 "${1:-600}"); do
     if status | python3 -c '
 import json, sys
 s = json.load(sys.stdin)
 ms = s["members"]
 ok = s["primary"] and len(ms) == 3 and all(m["state"] in ("running", "streaming") for m in ms) \
-     and any(m["role"] == "sync_standby" for m in ms)
-sys.exit(0 if ok else 1)'; then return 0; fi
+     and (sys.argv[1] == "0" or any(m["role"] == "sync_standby" for m in ms))
+sys.exit(0 if ok else 1)' "$sync"; then return 0; fi
     sleep 0.2
   done
   log "the cluster did not become healthy: $(status)"; return 1
@@ -212,7 +306,7 @@ primary_node() { status | python3 -c 'import json,sys; p=json.load(sys.stdin)["p
 urls() {
   echo "DATABASE_URL=postgres://postgres:postgres@127.0.0.1:$haproxy_port/postgres"
   local hosts=""
-  for n in "${nodes[@]}"; do hosts="$hosts${hosts:+,}127.0.0.1:$(pg_port "$n")"; done
+  for n in "${nodes[@]}"; do hosts="$hosts${hosts:+,}$(node_ip "$n"):$(pg_port "$n")"; done
   echo "DATABASE_MULTIHOST_URL=postgres://postgres:postgres@$hosts/postgres?target_session_attrs=read-write&connect_timeout=2"
 }
 
@@ -221,6 +315,7 @@ case "${1:-}" in
     install
     mkdir -p "$dir"
     reclaim_ports
+    net_up
     start_etcd
     for n in "${nodes[@]}"; do node_config "$n"; start_node "$n"; done
     wait_healthy 900
@@ -248,13 +343,24 @@ case "${1:-}" in
     [ -n "$postmaster" ] && kill -9 "$postmaster" 2>/dev/null || true
     echo "n$p"
     ;;
+  isolate-primary | partition-primary)
+    p=$(primary_node)
+    [ -n "$p" ] || { log "no primary"; exit 1; }
+    cut_node "$p" "$([ "$1" = isolate-primary ] && echo all || echo peers)"
+    echo "n$p"
+    ;;
   heal)
+    uncut_all
     for n in "${nodes[@]}"; do start_node "$n"; done
     ;;
   async | sync)
     mode=$([ "$1" = sync ] && echo true || echo false)
-    as_postgres patronictl -c "$dir/n1.yml" edit-config --force \
-      -s "synchronous_mode=$mode" -s "synchronous_mode_strict=$mode" >/dev/null
+    lag=$([ "$1" = sync ] && echo 0 || echo 1073741824)
+    # patronictl reads the DCS address from a node's file; from the host, etcd is on loopback too
+    sed "s/hosts: .*/hosts: 127.0.0.1:$etcd_client/" "$dir/n1.yml" >"$dir/ctl.yml"
+    as_postgres patronictl -c "$dir/ctl.yml" edit-config --force \
+      -s "synchronous_mode=$mode" -s "synchronous_mode_strict=$mode" -s "maximum_lag_on_failover=$lag" >/dev/null
+    echo "$1" >"$dir/mode"
     ;;
   down)
     [ -f "$dir/haproxy.pid" ] && kill "$(cat "$dir/haproxy.pid")" 2>/dev/null || true
@@ -264,7 +370,8 @@ case "${1:-}" in
     done
     [ -f "$dir/etcd.pid" ] && kill "$(cat "$dir/etcd.pid")" 2>/dev/null || true
     sleep 0.5
+    net_down
     rm -rf "$dir"
     ;;
-  *) echo "usage: $0 up|status|urls|wait|kill-primary|heal|async|sync|down" >&2; exit 2 ;;
+  *) echo "usage: $0 up|status|urls|wait|kill-primary|isolate-primary|partition-primary|heal|async|sync|down" >&2; exit 2 ;;
 esac

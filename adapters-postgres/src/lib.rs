@@ -593,7 +593,7 @@ impl TransactionManager for PgStore {
         }
         let mut conn = self.transactions.plain().await.map_err(map_sqlx_error)?;
         // bounded like every step on a connection: a black-holed one costs this, not the request's timeout
-        let read = repos::idempotency::read(conn.connection(), scope, key);
+        let read = repos::idempotency::read_with_standby(conn.connection(), scope, key);
         let row = match tokio::time::timeout(self.transactions.step_timeout(), read).await {
             Ok(row) => row.map_err(map_sqlx_error)?,
             Err(_) => {
@@ -602,8 +602,10 @@ impl TransactionManager for PgStore {
             }
         };
         conn.release();
-        match row.map(repos::idempotency::RecordRow::into_record).transpose()? {
-            Some(record) if record.state == idem_ports::IdempotencyState::Completed => Ok(Some(record)),
+        let Some((row, standby)) = row else { return Ok(None) };
+        self.replication.found(standby); // what `confirm_replicated` then needs to know
+        match row.into_record()? {
+            record if record.state == idem_ports::IdempotencyState::Completed => Ok(Some(record)),
             _ => Ok(None),
         }
     }
@@ -613,6 +615,17 @@ impl TransactionManager for PgStore {
     async fn confirm_replicated(&self) -> Result<(), StoreError> {
         if self.replication.no_standby() {
             return Ok(());
+        }
+        if self.begin_sql.is_some() {
+            // behind a transaction pooler a statement outside a transaction meets whatever settings the
+            // server connection's last client left (`search_path`): in a unit of work, which resets them
+            let step = self.transactions.step_timeout();
+            let barrier = async {
+                let mut uow = self.begin_pg().await?;
+                uow.confirm_replication().await?;
+                Box::new(uow).commit().await
+            };
+            return tokio::time::timeout(step * 2, barrier).await.map_err(|_| unconfirmed(step * 2))?;
         }
         let mut conn = self.transactions.plain().await.map_err(map_sqlx_error)?;
         // `fetch_all` reads up to ReadyForQuery, which PostgreSQL sends after the commit's wait

@@ -471,9 +471,21 @@ impl HaCluster {
 
     /// Runs `scripts/ha.sh COMMAND` on this cluster; returns what it printed.
     pub fn run(&self, command: &str) -> anyhow::Result<String> {
+        self.run_args(&[command])
+    }
+
+    /// Waits until a primary runs and both other nodes stream from it (`ha.sh wait`), up to `bound`.
+    pub fn wait_healthy(&self, bound: std::time::Duration) -> anyhow::Result<()> {
+        let polls = (bound.as_millis() / 200).max(1).to_string();
+        self.run_args(&["wait", &polls]).map(drop)
+    }
+
+    /// Runs `scripts/ha.sh ARGS…` on this cluster; returns what it printed.
+    pub fn run_args(&self, args: &[&str]) -> anyhow::Result<String> {
+        let command = args.join(" ");
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/ha.sh");
         let out = Command::new(script)
-            .arg(command)
+            .args(args)
             .env("HA_DIR", self.dir.path().join("ha"))
             .env("HA_BASE_PORT", self.base_port.to_string())
             .output()

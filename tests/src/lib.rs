@@ -133,6 +133,7 @@ pub fn port_for_child() -> u16 {
 }
 
 pub mod effects;
+pub mod history;
 pub use idem::testing::faults as faulty;
 pub mod infra;
 pub mod kafka;

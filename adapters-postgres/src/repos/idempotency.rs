@@ -287,6 +287,42 @@ pub(crate) async fn read(
     .await
 }
 
+/// [`read`] for the replay fast path, with whether a synchronous standby is configured (so a replay on a
+/// server without one costs this read alone; `replication.rs`).
+pub(crate) async fn read_with_standby(
+    conn: &mut sqlx::PgConnection,
+    scope: &str,
+    key: &str,
+) -> Result<Option<(RecordRow, bool)>, sqlx::Error> {
+    let row = sqlx::query!(
+        r#"SELECT scope, key, command_hash, state, status_code, response_headers, response_body,
+                  created_at, expires_at, attempt, lease_until, recovery_point,
+                  current_setting('synchronous_standby_names') <> '' AS "synchronous!"
+           FROM idempotency_record WHERE scope = $1 AND key = $2"#,
+        scope,
+        key,
+    )
+    .fetch_optional(conn)
+    .await?;
+    Ok(row.map(|r| {
+        let record = RecordRow {
+            scope: r.scope,
+            key: r.key,
+            command_hash: r.command_hash,
+            state: r.state,
+            status_code: r.status_code,
+            response_headers: r.response_headers,
+            response_body: r.response_body,
+            created_at: r.created_at,
+            expires_at: r.expires_at,
+            attempt: r.attempt,
+            lease_until: r.lease_until,
+            recovery_point: r.recovery_point,
+        };
+        (record, r.synchronous)
+    }))
+}
+
 impl RecordRow {
     pub(crate) fn into_record(self) -> Result<IdempotencyRecord, StoreError> {
         let command_hash: [u8; 32] =

@@ -1,0 +1,421 @@
+//! Issue 34.3: a Jepsen-style run through real failovers. scripts/ha.sh's Patroni cluster (three nodes in
+//! network namespaces, HAProxy), a private tansu behind a proxy that can be cut, and two `idem serve`
+//! instances — one on HAProxy's URL, one on the multi-host URL — sharing the topics and the consumer group,
+//! the relay and the order consumer running. Clients charge and refund with keys of their own and retry
+//! with the same key on errors, timeouts and 503 up to a bound; a producer sends order events (some twice).
+//! A nemesis runs a schedule of faults, each healed before the next: `kill-primary`, `isolate-primary`,
+//! `partition-primary`, a broker cut and `kill -9` of an idem instance. Every invocation goes into a
+//! history; after the faults, every unknown outcome is sent again with its key, and
+//! [`idem_tests::history::check`] compares the history with the database and the payments topic.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idem_http::client::{ChargeRequest, IdemClient, RetryPolicy};
+use idem_tests::history::{self, Event, Invocation, Observed, Op, Outcome, Verdict};
+use idem_tests::infra::HaCluster;
+use idem_tests::kafka::{ProxiedBroker, produce, producer, read_topic};
+use rust_decimal::Decimal;
+use tokio::sync::Mutex;
+use uuid::Uuid;
+
+use crate::harness::{Service, charge_request, placed};
+
+/// A fault of the schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Fault {
+    KillPrimary,
+    IsolatePrimary,
+    PartitionPrimary,
+    BrokerCut,
+    KillIdem,
+}
+
+impl Fault {
+    pub const ALL: [Fault; 5] =
+        [Fault::KillPrimary, Fault::IsolatePrimary, Fault::PartitionPrimary, Fault::BrokerCut, Fault::KillIdem];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::KillPrimary => "kill-primary",
+            Fault::IsolatePrimary => "isolate-primary",
+            Fault::PartitionPrimary => "partition-primary",
+            Fault::BrokerCut => "broker-cut",
+            Fault::KillIdem => "kill-idem",
+        }
+    }
+
+    pub fn parse(name: &str) -> anyhow::Result<Self> {
+        Self::ALL.into_iter().find(|f| f.name() == name).ok_or_else(|| anyhow::anyhow!("no fault named {name}"))
+    }
+}
+
+/// One run's settings.
+#[derive(Debug, Clone)]
+pub struct Run {
+    /// ha.sh's port range (and network).
+    pub base_port: u16,
+    /// The control run: synchronous replication off, a lagging standby promotable.
+    pub asynchronous: bool,
+    pub schedule: Vec<Fault>,
+    /// Load before each fault.
+    pub quiet: Duration,
+    /// How long a cut or a killed node stays so.
+    pub hold: Duration,
+}
+
+impl Run {
+    /// From `faults_var` (comma-separated names; else `default`) repeated `FAILOVER_ROUNDS` times
+    /// (default 1), each held `FAILOVER_HOLD` seconds (default 8).
+    pub fn from_env(faults_var: &str, base_port: u16, asynchronous: bool, default: &[Fault]) -> anyhow::Result<Self> {
+        let faults = match std::env::var(faults_var) {
+            Ok(names) => names.split(',').map(|n| Fault::parse(n.trim())).collect::<anyhow::Result<Vec<_>>>()?,
+            Err(_) => default.to_vec(),
+        };
+        let rounds: usize = std::env::var("FAILOVER_ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(1);
+        let hold = std::env::var("FAILOVER_HOLD").ok().and_then(|h| h.parse().ok()).unwrap_or(8);
+        Ok(Self {
+            base_port,
+            asynchronous,
+            schedule: faults.repeat(rounds),
+            quiet: Duration::from_secs(5),
+            hold: Duration::from_secs(hold),
+        })
+    }
+}
+
+/// A fault as it happened, with the clients' recovery from it.
+#[derive(Debug, Clone)]
+pub struct Injected {
+    pub fault: Fault,
+    pub at: Duration,
+    pub healed: Duration,
+    /// From the fault to the first success, and to the first second at half the pre-fault rate.
+    pub first_success: Option<Duration>,
+    pub steady: Option<Duration>,
+}
+
+/// What a run found.
+#[derive(Debug)]
+pub struct Report {
+    pub verdict: Verdict,
+    pub faults: Vec<Injected>,
+    pub orders: usize,
+    pub elapsed: Duration,
+}
+
+impl Report {
+    pub fn print(&self, title: &str) {
+        let v = &self.verdict;
+        println!(
+            "{title}: {} faults, {} invocations, {} acknowledged, {} unknown ({} resolved), {} order events; \
+             lost {}, duplicated {}, inconsistent {}; {:.0} s",
+            self.faults.len(),
+            v.invocations,
+            v.acknowledged,
+            v.unknown,
+            v.unknown_resolved,
+            self.orders,
+            v.lost.len(),
+            v.duplicated.len(),
+            v.inconsistent.len(),
+            self.elapsed.as_secs_f64()
+        );
+        for f in &self.faults {
+            println!(
+                "  {:<18} at {:>6.1} s, healed {:>5.1} s later; first success after {}, steady after {}",
+                f.fault.name(),
+                f.at.as_secs_f64(),
+                (f.healed - f.at).as_secs_f64(),
+                f.first_success.map_or("-".into(), |d| format!("{:.1} s", d.as_secs_f64())),
+                f.steady.map_or("-".into(), |d| format!("{} s", d.as_secs())),
+            );
+        }
+        if let Some((p50, max)) = self.recovery() {
+            println!(
+                "  database faults: first success after p50 {:.1} s, max {:.1} s",
+                p50.as_secs_f64(),
+                max.as_secs_f64()
+            );
+        }
+        for line in v.lost.iter().chain(&v.duplicated).chain(&v.inconsistent).take(12) {
+            println!("  {line}");
+        }
+    }
+
+    /// Recovery times of the database faults (p50, max) from the fault to the first success.
+    pub fn recovery(&self) -> Option<(Duration, Duration)> {
+        let mut times: Vec<Duration> = self
+            .faults
+            .iter()
+            .filter(|f| matches!(f.fault, Fault::KillPrimary | Fault::IsolatePrimary | Fault::PartitionPrimary))
+            .filter_map(|f| f.first_success)
+            .collect();
+        times.sort();
+        Some((*times.get(times.len() / 2)?, *times.last()?))
+    }
+}
+
+/// What a client sends again for an unknown outcome: the same request.
+#[derive(Debug, Clone)]
+enum Request {
+    Charge(ChargeRequest),
+    Refund(Uuid, String),
+}
+
+type History = Arc<Mutex<Vec<(Invocation, Request)>>>;
+
+fn outcome(reply: Result<idem_http::client::Reply, idem_http::client::ClientError>) -> Outcome {
+    match reply {
+        Ok(r) if r.status == 201 => Outcome::Ok { id: r.body["id"].as_str().unwrap_or_default().to_owned() },
+        Ok(r) => Outcome::Failed { status: r.status },
+        Err(_) => Outcome::Unknown,
+    }
+}
+
+async fn send(client: &IdemClient, key: &str, request: &Request) -> Outcome {
+    match request {
+        Request::Charge(charge) => outcome(client.charge(key, charge).await),
+        Request::Refund(payment, amount) => outcome(client.refund(key, *payment, amount).await),
+    }
+}
+
+/// A client: charges, and every fourth operation refunds 4.00 of one of its acknowledged payments (each
+/// at most once), until `stop`.
+async fn client_loop(
+    name: String,
+    client: IdemClient,
+    start: Instant,
+    history: History,
+    successes: Arc<Mutex<Vec<Duration>>>,
+    stop: idem::CancellationToken,
+) {
+    let mut refundable: Vec<Uuid> = Vec::new();
+    let mut n = 0u64;
+    while !stop.is_cancelled() {
+        n += 1;
+        let key = IdemClient::new_key();
+        let (op, request) = match n.is_multiple_of(4).then(|| refundable.pop()).flatten() {
+            Some(payment) => (
+                Op::Refund { payment: payment.to_string(), amount: Decimal::new(400, 2) },
+                Request::Refund(payment, "4.00".into()),
+            ),
+            None => {
+                let charge = charge_request(&format!("{name}-{}", Uuid::now_v7().simple()));
+                let op = Op::Charge {
+                    external: charge.external_payment_id.clone(),
+                    amount: charge.amount.parse().unwrap_or_default(),
+                };
+                (op, Request::Charge(charge))
+            }
+        };
+        let outcome = send(&client, &key, &request).await;
+        let at = start.elapsed();
+        if let Outcome::Ok { id } = &outcome {
+            successes.lock().await.push(at);
+            if matches!(op, Op::Charge { .. })
+                && let Ok(id) = id.parse()
+            {
+                refundable.push(id);
+            }
+        }
+        history.lock().await.push((Invocation { op, key, at, outcome, resolved: None }, request));
+    }
+}
+
+/// Sends `OrderPlaced` events (provider ids `order-…`), a third of them twice with the same `event_id`,
+/// each retried until the broker acknowledges it (through cuts), until `stop`.
+async fn order_loop(brokers: String, topic: String, sent: Arc<Mutex<BTreeSet<String>>>, stop: idem::CancellationToken) {
+    let Ok(p) = producer(&brokers) else { return };
+    let mut n = 0u64;
+    while !stop.is_cancelled() {
+        n += 1;
+        let order = Uuid::now_v7();
+        let body = placed(order, &format!("order-{}", order.simple()));
+        let (id, key) = (Uuid::now_v7().to_string(), order.to_string());
+        for _ in 0..(if n.is_multiple_of(3) { 2 } else { 1 }) {
+            while !stop.is_cancelled() {
+                let headers: [(&str, &[u8]); 1] = [("event_id", id.as_bytes())];
+                let sending = produce(&p, &topic, Some(&key), body.as_bytes(), &headers);
+                if matches!(tokio::time::timeout(Duration::from_secs(5), sending).await, Ok(Ok(_))) {
+                    sent.lock().await.insert(order.to_string());
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// Runs `run`'s schedule and checks the history.
+pub async fn run(run: &Run) -> anyhow::Result<Report> {
+    let started = Instant::now();
+    let cluster = HaCluster::up(run.base_port)?;
+    if run.asynchronous {
+        cluster.run("async")?;
+        cluster.wait_healthy(Duration::from_secs(60))?;
+    }
+    let broker = ProxiedBroker::start().await?;
+    let mut a = Service::new(&cluster.url, &broker.bootstrap).with_env("KAFKA_SESSION_TIMEOUT", "10s");
+    a.start().await?;
+    let admin = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(&cluster.url).await?;
+    idem_tests::effects::log_payment_attempts_in(&admin).await?;
+    sqlx::raw_sql(
+        "CREATE TABLE test_application (n bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, order_id uuid, version bigint);
+         CREATE FUNCTION test_application_log() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN INSERT INTO test_application (order_id, version) VALUES (NEW.order_id, NEW.version); RETURN NEW; END $$;
+         CREATE TRIGGER test_application_log BEFORE INSERT ON order_projection
+             FOR EACH ROW EXECUTE FUNCTION test_application_log();",
+    )
+    .execute(&admin)
+    .await?;
+    admin.close().await;
+    let mut b = Service::new(&cluster.multihost_url, &broker.bootstrap)
+        .with_env("KAFKA_SESSION_TIMEOUT", "10s")
+        .with_env("KAFKA_ORDERS_TOPIC", &a.orders_topic)
+        .with_env("KAFKA_PAYMENTS_TOPIC", &a.payments_topic)
+        .with_env("KAFKA_GROUP_ID", &a.group);
+    b.start().await?;
+
+    // retried with the same key on errors, timeouts and 503 for about 20 s, then unknown
+    let bounded = RetryPolicy {
+        max_attempts: 25,
+        base_delay: Duration::from_millis(100),
+        max_delay: Duration::from_secs(1),
+        timeout: Duration::from_secs(5),
+    };
+    let history: History = Arc::default();
+    let successes: Arc<Mutex<Vec<Duration>>> = Arc::default();
+    let orders_sent: Arc<Mutex<BTreeSet<String>>> = Arc::default();
+    let stop = idem::CancellationToken::new();
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for (name, service) in [("jha0", &a), ("jha1", &a), ("jmh0", &b), ("jmh1", &b)] {
+        let client = service.client_with(bounded.clone());
+        let task = client_loop(name.into(), client, start, history.clone(), successes.clone(), stop.clone());
+        tasks.push(tokio::spawn(task));
+    }
+    let orders = order_loop(broker.bootstrap.clone(), a.orders_topic.clone(), orders_sent.clone(), stop.clone());
+    tasks.push(tokio::spawn(orders));
+
+    let mut injected = Vec::new();
+    for fault in &run.schedule {
+        tokio::time::sleep(run.quiet).await;
+        let at = start.elapsed();
+        match fault {
+            Fault::KillPrimary | Fault::IsolatePrimary | Fault::PartitionPrimary => {
+                cluster.run(fault.name())?;
+                tokio::time::sleep(run.hold).await;
+                cluster.run("heal")?;
+            }
+            Fault::BrokerCut => {
+                broker.proxy.cut();
+                tokio::time::sleep(run.hold).await;
+                broker.proxy.restore();
+            }
+            Fault::KillIdem => {
+                b.kill9();
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                b.start().await?;
+            }
+        }
+        let healed = start.elapsed();
+        // the next fault starts on a healthy cluster
+        cluster.wait_healthy(Duration::from_secs(120))?;
+        injected.push(Injected { fault: *fault, at, healed, first_success: None, steady: None });
+    }
+    tokio::time::sleep(run.quiet).await;
+    stop.cancel();
+    for t in tasks {
+        t.await?;
+    }
+
+    // every unknown outcome sent again, the same request with its key, until it is definite
+    let patient = a.client_with(RetryPolicy {
+        max_attempts: 120,
+        base_delay: Duration::from_millis(200),
+        max_delay: Duration::from_secs(1),
+        timeout: Duration::from_secs(5),
+    });
+    let mut history = std::mem::take(&mut *history.lock().await);
+    for (inv, request) in history.iter_mut().filter(|(i, _)| i.outcome == Outcome::Unknown) {
+        inv.resolved = Some(send(&patient, &inv.key, request).await);
+    }
+    let history: Vec<Invocation> = history.into_iter().map(|(i, _)| i).collect();
+
+    let observed = observe(&cluster.url, &broker.bootstrap, &a.payments_topic, orders_sent).await?;
+    let successes = {
+        let mut s = successes.lock().await.clone();
+        s.sort();
+        s
+    };
+    let first_fault = injected.first().map_or(start.elapsed(), |f| f.at);
+    let before = successes.iter().filter(|t| **t < first_fault).count();
+    let baseline = before as f64 / first_fault.as_secs_f64().max(1.0);
+    for f in &mut injected {
+        (f.first_success, f.steady) = history::recovery(&successes, f.at, baseline);
+    }
+    let verdict = history::check(&history, &observed);
+    a.terminate();
+    b.terminate();
+    Ok(Report { verdict, faults: injected, orders: observed.orders_sent.len(), elapsed: started.elapsed() })
+}
+
+/// Reads what the cluster and the topic hold once the outbox drained and the order events were consumed.
+async fn observe(
+    url: &str,
+    brokers: &str,
+    payments_topic: &str,
+    orders_sent: Arc<Mutex<BTreeSet<String>>>,
+) -> anyhow::Result<Observed> {
+    let db = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(url).await?;
+    let orders_sent = orders_sent.lock().await.clone();
+    let settled = idem_tests::kafka::eventually(Duration::from_secs(120), || async {
+        let outbox: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_message").fetch_one(&db).await?;
+        let paid: i64 = sqlx::query_scalar(
+            "SELECT count(DISTINCT order_id) FROM payment WHERE external_payment_id LIKE 'order-%'",
+        )
+        .fetch_one(&db)
+        .await?;
+        Ok(outbox == 0 && paid as usize >= orders_sent.len())
+    })
+    .await?;
+    if !settled {
+        println!("the outbox did not drain or the order events were not all consumed within 120 s");
+    }
+    let mut o = Observed { orders_sent, ..Observed::default() };
+    let rows: Vec<(String, String, Decimal)> =
+        sqlx::query_as("SELECT external_payment_id, id::text, amount FROM payment").fetch_all(&db).await?;
+    for (external, id, amount) in rows {
+        o.payments.entry(external).or_default().push((id, amount));
+    }
+    let rows: Vec<(String, String, Decimal)> =
+        sqlx::query_as("SELECT id::text, payment_id::text, amount FROM refund").fetch_all(&db).await?;
+    o.refunds = rows.into_iter().map(|(id, p, a)| (id, (p, a))).collect();
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT external_payment_id, count(*) FROM test_payment_attempt GROUP BY 1").fetch_all(&db).await?;
+    o.executions = rows.into_iter().collect();
+    let rows: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT o.order_id::text, (SELECT count(*) FROM test_application a WHERE a.order_id = o.order_id),
+                (SELECT count(*) FROM payment p WHERE p.order_id = o.order_id)
+         FROM (SELECT DISTINCT order_id FROM test_application) o",
+    )
+    .fetch_all(&db)
+    .await?;
+    o.orders = rows.into_iter().map(|(order, applied, paid)| (order, (applied, paid))).collect::<BTreeMap<_, _>>();
+    let announcements = o.payments.values().map(Vec::len).sum::<usize>() + o.refunds.len();
+    // re-published rows (after a crash) take room: read well past the count, up to the timeout
+    for m in read_topic(brokers, payments_topic, announcements * 3, Duration::from_secs(20)).await? {
+        let body: serde_json::Value = serde_json::from_slice(&m.payload).unwrap_or_default();
+        o.events.push(Event {
+            event_id: m.header("event_id").unwrap_or_default(),
+            event_type: body["type"].as_str().unwrap_or_default().to_owned(),
+            payment_id: body["payment_id"].as_str().unwrap_or_default().to_owned(),
+            refund_id: body["refund_id"].as_str().map(str::to_owned),
+        });
+    }
+    db.close().await;
+    Ok(o)
+}
