@@ -212,8 +212,16 @@ impl Servers {
             return Ok(conn);
         }
         let _ = tokio::time::timeout(timeout, conn.close()).await;
-        Err(sqlx::Error::Configuration(format!("server {} is not {target:?}", i + 1).into()))
+        Err(not_target(i, target))
     }
+}
+
+/// A server of the URL whose session does not match `target_session_attrs` — during a failover, none may
+/// for seconds: a connection failure (transient: `503`, retried), as libpq reports it, never a
+/// configuration error (it was answered `500`, and a client stopped retrying a charge that then committed).
+fn not_target(i: usize, target: Target) -> sqlx::Error {
+    let what = format!("server {} of the url is not {target:?} now", i + 1);
+    sqlx::Error::Io(std::io::Error::new(std::io::ErrorKind::ConnectionRefused, what))
 }
 
 /// Takes `target_session_attrs` and `connect_timeout` out of `url` (sqlx knows neither).
@@ -263,6 +271,15 @@ fn split_hosts(url: &str) -> Result<Vec<String>, StoreError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 34.3: the failover harness saw `500`s from the multi-host instance while no server was
+    /// read-write yet (`server 3 is not ReadWrite`, a configuration error): retryable now.
+    #[test]
+    fn no_server_matching_the_session_attributes_yet_is_transient() {
+        let err = crate::map_sqlx_error(not_target(2, Target::ReadWrite));
+        assert!(err.is_transient(), "{err}");
+        assert!(err.to_string().contains("server 3 of the url is not ReadWrite"), "{err}");
+    }
 
     #[test]
     fn a_host_list_becomes_one_url_per_host_with_everything_else_kept() {

@@ -234,20 +234,27 @@ pub fn check(history: &[Invocation], observed: &Observed) -> Verdict {
     v
 }
 
-/// For a fault at `fault`: the time to the first success after it, and to steady state — the first
-/// second, from the fault on, with at least half the `baseline` successes per second. `successes` are
-/// sorted times since the run began.
-pub fn recovery(successes: &[Duration], fault: Duration, baseline: f64) -> (Option<Duration>, Option<Duration>) {
-    let after: Vec<Duration> = successes.iter().copied().filter(|t| *t >= fault).collect();
-    let first = after.first().map(|t| *t - fault);
-    let Some(last) = after.last() else { return (first, None) };
-    let seconds = (*last - fault).as_secs() + 1;
-    let steady = (0..seconds).find_map(|s| {
-        let (from, to) = (fault + Duration::from_secs(s), fault + Duration::from_secs(s + 1));
-        let n = after.iter().filter(|t| **t >= from && **t < to).count();
-        (n as f64 >= baseline / 2.0).then(|| Duration::from_secs(s))
+/// For a fault at `fault` (and before `until`, the next fault or the end): the longest time without a
+/// success (the outage clients saw, from the fault on), and the time from the fault to steady state — the
+/// first whole second after that gap with at least half the `baseline` successes per second. `successes`
+/// are sorted times since the run began.
+pub fn recovery(successes: &[Duration], fault: Duration, until: Duration, baseline: f64) -> (Duration, Option<Duration>) {
+    let after: Vec<Duration> = successes.iter().copied().filter(|t| *t >= fault && *t < until).collect();
+    let mut gap = (until.saturating_sub(fault), until);
+    if !after.is_empty() {
+        gap = std::iter::once(fault)
+            .chain(after.iter().copied())
+            .zip(after.iter().copied())
+            .map(|(a, b)| (b - a, b))
+            .max()
+            .unwrap_or_default();
+    }
+    let (outage, resumed) = gap;
+    let steady = (0..).map(|s| resumed + Duration::from_secs(s)).take_while(|from| *from < until).find_map(|from| {
+        let n = after.iter().filter(|t| **t >= from && **t < from + Duration::from_secs(1)).count();
+        (n as f64 >= baseline / 2.0).then(|| from + Duration::from_secs(1) - fault)
     });
-    (first, steady)
+    (outage, steady)
 }
 
 #[cfg(test)]
@@ -390,15 +397,17 @@ mod tests {
     }
 
     #[test]
-    fn recovery_is_the_first_success_and_the_first_second_at_half_the_baseline() {
+    fn recovery_is_the_longest_gap_and_the_first_second_after_it_at_half_the_baseline() {
         let s = |ms: u64| Duration::from_millis(ms);
-        // 10/s before a fault at 10 s; then nothing until 13.2 s; 2 successes in [13, 14); 6 in [14, 15)
+        // 10/s before a fault at 10 s; one request in flight answered at 10.05 s; nothing until 13.2 s;
+        // then 2 successes in the next second, then 6
         let mut successes: Vec<Duration> = (0..100).map(|i| s(i * 100)).collect();
-        successes.extend([s(13_200), s(13_900)]);
-        successes.extend((0..6).map(|i| s(14_000 + i * 150)));
-        let (first, steady) = recovery(&successes, s(10_000), 10.0);
-        assert_eq!(first, Some(s(3_200)));
-        assert_eq!(steady, Some(Duration::from_secs(4)));
-        assert_eq!(recovery(&successes, s(20_000), 10.0), (None, None), "no success after the fault");
+        successes.extend([s(10_050), s(13_200), s(13_900)]);
+        successes.extend((0..6).map(|i| s(14_200 + i * 150)));
+        let (outage, steady) = recovery(&successes, s(10_000), s(30_000), 10.0);
+        assert_eq!(outage, s(3_150), "from 10.05 s to 13.2 s");
+        assert_eq!(steady, Some(s(5_200)), "[14.2, 15.2) has 6 ≥ 5: steady 5.2 s after the fault");
+        let (outage, steady) = recovery(&successes, s(20_000), s(25_000), 10.0);
+        assert_eq!((outage, steady), (s(5_000), None), "no success before the next fault");
     }
 }

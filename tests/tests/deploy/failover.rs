@@ -10,6 +10,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use idem_http::client::{ChargeRequest, IdemClient, RetryPolicy};
@@ -91,8 +92,9 @@ pub struct Injected {
     pub fault: Fault,
     pub at: Duration,
     pub healed: Duration,
-    /// From the fault to the first success, and to the first second at half the pre-fault rate.
-    pub first_success: Option<Duration>,
+    /// The longest time without a success from the fault on, and the time from the fault to steady state
+    /// (`history::recovery`).
+    pub outage: Duration,
     pub steady: Option<Duration>,
 }
 
@@ -102,6 +104,8 @@ pub struct Report {
     pub verdict: Verdict,
     pub faults: Vec<Injected>,
     pub orders: usize,
+    /// Answers `500` and the like (not `503`): each a defect.
+    pub server_errors: usize,
     pub elapsed: Duration,
 }
 
@@ -110,7 +114,7 @@ impl Report {
         let v = &self.verdict;
         println!(
             "{title}: {} faults, {} invocations, {} acknowledged, {} unknown ({} resolved), {} order events; \
-             lost {}, duplicated {}, inconsistent {}; {:.0} s",
+             lost {}, duplicated {}, inconsistent {}; {} answers 5xx other than 503; {:.0} s",
             self.faults.len(),
             v.invocations,
             v.acknowledged,
@@ -120,21 +124,22 @@ impl Report {
             v.lost.len(),
             v.duplicated.len(),
             v.inconsistent.len(),
+            self.server_errors,
             self.elapsed.as_secs_f64()
         );
         for f in &self.faults {
             println!(
-                "  {:<18} at {:>6.1} s, healed {:>5.1} s later; first success after {}, steady after {}",
+                "  {:<18} at {:>6.1} s, healed {:>5.1} s later; no success for {:.1} s, steady after {}",
                 f.fault.name(),
                 f.at.as_secs_f64(),
                 (f.healed - f.at).as_secs_f64(),
-                f.first_success.map_or("-".into(), |d| format!("{:.1} s", d.as_secs_f64())),
-                f.steady.map_or("-".into(), |d| format!("{} s", d.as_secs())),
+                f.outage.as_secs_f64(),
+                f.steady.map_or("never".into(), |d| format!("{:.1} s", d.as_secs_f64())),
             );
         }
         if let Some((p50, max)) = self.recovery() {
             println!(
-                "  database faults: first success after p50 {:.1} s, max {:.1} s",
+                "  database faults: no success for p50 {:.1} s, max {:.1} s",
                 p50.as_secs_f64(),
                 max.as_secs_f64()
             );
@@ -144,13 +149,13 @@ impl Report {
         }
     }
 
-    /// Recovery times of the database faults (p50, max) from the fault to the first success.
+    /// The outages of the database faults (p50, max).
     pub fn recovery(&self) -> Option<(Duration, Duration)> {
         let mut times: Vec<Duration> = self
             .faults
             .iter()
             .filter(|f| matches!(f.fault, Fault::KillPrimary | Fault::IsolatePrimary | Fault::PartitionPrimary))
-            .filter_map(|f| f.first_success)
+            .map(|f| f.outage)
             .collect();
         times.sort();
         Some((*times.get(times.len() / 2)?, *times.last()?))
@@ -166,18 +171,24 @@ enum Request {
 
 type History = Arc<Mutex<Vec<(Invocation, Request)>>>;
 
-fn outcome(reply: Result<idem_http::client::Reply, idem_http::client::ClientError>) -> Outcome {
+/// A `5xx` the client does not retry (a `500`) says nothing of the outcome: unknown, and counted — the
+/// service answers a database or broker condition with `503`.
+fn outcome(reply: Result<idem_http::client::Reply, idem_http::client::ClientError>, errors: &AtomicUsize) -> Outcome {
     match reply {
         Ok(r) if r.status == 201 => Outcome::Ok { id: r.body["id"].as_str().unwrap_or_default().to_owned() },
+        Ok(r) if r.status >= 500 => {
+            errors.fetch_add(1, Relaxed);
+            Outcome::Unknown
+        }
         Ok(r) => Outcome::Failed { status: r.status },
         Err(_) => Outcome::Unknown,
     }
 }
 
-async fn send(client: &IdemClient, key: &str, request: &Request) -> Outcome {
+async fn send(client: &IdemClient, key: &str, request: &Request, errors: &AtomicUsize) -> Outcome {
     match request {
-        Request::Charge(charge) => outcome(client.charge(key, charge).await),
-        Request::Refund(payment, amount) => outcome(client.refund(key, *payment, amount).await),
+        Request::Charge(charge) => outcome(client.charge(key, charge).await, errors),
+        Request::Refund(payment, amount) => outcome(client.refund(key, *payment, amount).await, errors),
     }
 }
 
@@ -189,6 +200,7 @@ async fn client_loop(
     start: Instant,
     history: History,
     successes: Arc<Mutex<Vec<Duration>>>,
+    errors: Arc<AtomicUsize>,
     stop: idem::CancellationToken,
 ) {
     let mut refundable: Vec<Uuid> = Vec::new();
@@ -210,7 +222,7 @@ async fn client_loop(
                 (op, Request::Charge(charge))
             }
         };
-        let outcome = send(&client, &key, &request).await;
+        let outcome = send(&client, &key, &request, &errors).await;
         let at = start.elapsed();
         if let Outcome::Ok { id } = &outcome {
             successes.lock().await.push(at);
@@ -289,12 +301,14 @@ pub async fn run(run: &Run) -> anyhow::Result<Report> {
     let history: History = Arc::default();
     let successes: Arc<Mutex<Vec<Duration>>> = Arc::default();
     let orders_sent: Arc<Mutex<BTreeSet<String>>> = Arc::default();
+    let errors: Arc<AtomicUsize> = Arc::default();
     let stop = idem::CancellationToken::new();
     let start = Instant::now();
     let mut tasks = Vec::new();
     for (name, service) in [("jha0", &a), ("jha1", &a), ("jmh0", &b), ("jmh1", &b)] {
         let client = service.client_with(bounded.clone());
-        let task = client_loop(name.into(), client, start, history.clone(), successes.clone(), stop.clone());
+        let (history, successes, errors) = (history.clone(), successes.clone(), errors.clone());
+        let task = client_loop(name.into(), client, start, history, successes, errors, stop.clone());
         tasks.push(tokio::spawn(task));
     }
     let orders = order_loop(broker.bootstrap.clone(), a.orders_topic.clone(), orders_sent.clone(), stop.clone());
@@ -324,9 +338,10 @@ pub async fn run(run: &Run) -> anyhow::Result<Report> {
         let healed = start.elapsed();
         // the next fault starts on a healthy cluster
         cluster.wait_healthy(Duration::from_secs(120))?;
-        injected.push(Injected { fault: *fault, at, healed, first_success: None, steady: None });
+        injected.push(Injected { fault: *fault, at, healed, outage: Duration::ZERO, steady: None });
     }
     tokio::time::sleep(run.quiet).await;
+    let stopped = start.elapsed();
     stop.cancel();
     for t in tasks {
         t.await?;
@@ -341,7 +356,7 @@ pub async fn run(run: &Run) -> anyhow::Result<Report> {
     });
     let mut history = std::mem::take(&mut *history.lock().await);
     for (inv, request) in history.iter_mut().filter(|(i, _)| i.outcome == Outcome::Unknown) {
-        inv.resolved = Some(send(&patient, &inv.key, request).await);
+        inv.resolved = Some(send(&patient, &inv.key, request, &errors).await);
     }
     let history: Vec<Invocation> = history.into_iter().map(|(i, _)| i).collect();
 
@@ -354,13 +369,15 @@ pub async fn run(run: &Run) -> anyhow::Result<Report> {
     let first_fault = injected.first().map_or(start.elapsed(), |f| f.at);
     let before = successes.iter().filter(|t| **t < first_fault).count();
     let baseline = before as f64 / first_fault.as_secs_f64().max(1.0);
-    for f in &mut injected {
-        (f.first_success, f.steady) = history::recovery(&successes, f.at, baseline);
+    let ends: Vec<Duration> = injected.iter().skip(1).map(|f| f.at).chain([stopped]).collect();
+    for (f, until) in injected.iter_mut().zip(ends) {
+        (f.outage, f.steady) = history::recovery(&successes, f.at, until, baseline);
     }
     let verdict = history::check(&history, &observed);
     a.terminate();
     b.terminate();
-    Ok(Report { verdict, faults: injected, orders: observed.orders_sent.len(), elapsed: started.elapsed() })
+    let server_errors = errors.load(Relaxed);
+    Ok(Report { verdict, faults: injected, orders: observed.orders_sent.len(), server_errors, elapsed: started.elapsed() })
 }
 
 /// Reads what the cluster and the topic hold once the outbox drained and the order events were consumed.
