@@ -10,6 +10,9 @@
 # npm, with Debian's nodejs when node is missing) and runs tests/benches/peers.rs. `soak` runs one service for
 # BENCH_SOAK_MINUTES (30) at a steady rate with its RSS sampled. Other settings are environment variables documented at the top of
 # each tests/benches/*.rs.
+# `failover` runs the failover harness at length (tests/tests/deploy/failover.rs, release idem): every fault
+# FAILOVER_ROUNDS times (default 3) on the synchronous Patroni cluster, then the asynchronous control run
+# with partition-primary and kill-primary FAILOVER_ROUNDS times; it prints the history checker's figures.
 set -euo pipefail
 # tansu keeps every topic in memory: after a test run it holds hundreds, and its CPU per message was 3x
 # higher than on an empty broker (BENCHMARKS.md). Benchmarks start from an empty one (BENCH_KEEP_BROKER=1
@@ -45,6 +48,11 @@ for bench in "${@:-http}"; do
     cp "$root"/peers/pg-transactional-outbox/{package.json,package-lock.json,bench.cjs} "$root/.local/peers/outbox/"
     (cd "$root/.local/peers/outbox" && npm ci --no-audit --no-fund --silent)
     cargo bench -p idem-tests --bench peers --quiet
+  elif [ "$bench" = failover ]; then
+    FAILOVER_ROUNDS=${FAILOVER_ROUNDS:-3} FAILOVER_CONTROL_FAULTS=${FAILOVER_CONTROL_FAULTS:-partition-primary,kill-primary} \
+      cargo nextest run -p idem-tests --test deploy --no-capture --no-fail-fast \
+      -E 'test(a_synchronous_cluster_through_every_fault) | test(the_asynchronous_control_run)' 2>&1 |
+      grep -v '^ *\(PASS\|START\|SLOW\)' | grep -v 'WARN\|INFO'
   elif [ "$bench" = http ]; then
     for clients in ${BENCH_CLIENTS:-${BENCH_CONCURRENCY:-8}}; do
       BENCH_CONCURRENCY=$clients cargo bench -p idem-tests --bench http --quiet

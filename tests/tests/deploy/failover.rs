@@ -144,6 +144,17 @@ impl Report {
                 max.as_secs_f64()
             );
         }
+        if !v.lost.is_empty() {
+            let count = |is: &dyn Fn(&str) -> bool| v.lost.iter().filter(|l| is(l)).count();
+            let counts = [
+                format!("{} acknowledged charges", count(&|l| l.starts_with("charge "))),
+                format!("{} acknowledged refunds", count(&|l| l.starts_with("refund ") && l.ends_with("not stored"))),
+                format!("{} events of what is not stored", count(&|l| l.contains("published, but"))),
+                format!("{} stored but never announced", count(&|l| l.contains("never announced"))),
+                format!("{} order events unpaid", count(&|l| l.starts_with("order "))),
+            ];
+            println!("  lost: {}", counts.join(", "));
+        }
         for line in v.lost.iter().chain(&v.duplicated).chain(&v.inconsistent).take(12) {
             println!("  {line}");
         }
@@ -389,18 +400,27 @@ async fn observe(
 ) -> anyhow::Result<Observed> {
     let db = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(url).await?;
     let orders_sent = orders_sent.lock().await.clone();
-    let settled = idem_tests::kafka::eventually(Duration::from_secs(120), || async {
+    // settled: the outbox drained and every order event paid — or, where payments were lost (the control
+    // run), nothing changed for 10 s
+    let (deadline, mut last, mut still) = (Instant::now() + Duration::from_secs(120), (-1, -1), Instant::now());
+    loop {
         let outbox: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_message").fetch_one(&db).await?;
         let paid: i64 = sqlx::query_scalar(
             "SELECT count(DISTINCT order_id) FROM payment WHERE external_payment_id LIKE 'order-%'",
         )
         .fetch_one(&db)
         .await?;
-        Ok(outbox == 0 && paid as usize >= orders_sent.len())
-    })
-    .await?;
-    if !settled {
-        println!("the outbox did not drain or the order events were not all consumed within 120 s");
+        if outbox == 0 && paid as usize >= orders_sent.len() {
+            break;
+        }
+        if (outbox, paid) != last {
+            (last, still) = ((outbox, paid), Instant::now());
+        }
+        if Instant::now() > deadline || (outbox == 0 && still.elapsed() > Duration::from_secs(10)) {
+            println!("not settled: {outbox} outbox rows, {paid} of {} order events paid", orders_sent.len());
+            break;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
     let mut o = Observed { orders_sent, ..Observed::default() };
     let rows: Vec<(String, String, Decimal)> =
