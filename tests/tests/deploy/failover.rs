@@ -302,9 +302,10 @@ pub async fn run(run: &Run) -> anyhow::Result<Report> {
         .with_env("KAFKA_GROUP_ID", &a.group);
     b.start().await?;
 
-    // retried with the same key on errors, timeouts and 503 for about 20 s, then unknown
+    // retried with the same key on errors, timeouts and 503 for several seconds, then unknown: shorter than
+    // a failover, so some outcomes stay unknown until they are sent again after the faults
     let bounded = RetryPolicy {
-        max_attempts: 25,
+        max_attempts: 10,
         base_delay: Duration::from_millis(100),
         max_delay: Duration::from_secs(1),
         timeout: Duration::from_secs(5),
