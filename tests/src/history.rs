@@ -149,9 +149,9 @@ pub fn check(history: &[Invocation], observed: &Observed) -> Verdict {
                     match observed.refunds.get(id) {
                         None => v.lost.push(format!("refund {id} of payment {payment} acknowledged, not stored")),
                         Some((p, a)) if p == payment && a == amount => {}
-                        Some((p, a)) => v.inconsistent.push(format!(
-                            "refund {id} acknowledged for {payment} of {amount}, stored for {p} of {a}"
-                        )),
+                        Some((p, a)) => v
+                            .inconsistent
+                            .push(format!("refund {id} acknowledged for {payment} of {amount}, stored for {p} of {a}")),
                     }
                 }
             }
@@ -238,7 +238,12 @@ pub fn check(history: &[Invocation], observed: &Observed) -> Verdict {
 /// success (the outage clients saw, from the fault on), and the time from the fault to steady state — the
 /// first whole second after that gap with at least half the `baseline` successes per second. `successes`
 /// are sorted times since the run began.
-pub fn recovery(successes: &[Duration], fault: Duration, until: Duration, baseline: f64) -> (Duration, Option<Duration>) {
+pub fn recovery(
+    successes: &[Duration],
+    fault: Duration,
+    until: Duration,
+    baseline: f64,
+) -> (Duration, Option<Duration>) {
     let after: Vec<Duration> = successes.iter().copied().filter(|t| *t >= fault && *t < until).collect();
     let mut gap = (until.saturating_sub(fault), until);
     if !after.is_empty() {
@@ -280,7 +285,12 @@ mod tests {
     }
 
     fn captured(payment: &str, event_id: &str) -> Event {
-        Event { event_id: event_id.into(), event_type: "PaymentCaptured".into(), payment_id: payment.into(), refund_id: None }
+        Event {
+            event_id: event_id.into(),
+            event_type: "PaymentCaptured".into(),
+            payment_id: payment.into(),
+            refund_id: None,
+        }
     }
 
     /// A clean run: two acknowledged charges (one after an unknown outcome), one refund, all announced.
@@ -306,7 +316,12 @@ mod tests {
             captured("p1", "e1"),
             captured("p1", "e1"), // the same event delivered twice: at-least-once, fine
             captured("p2", "e2"),
-            Event { event_id: "e3".into(), event_type: "PaymentRefunded".into(), payment_id: "p1".into(), refund_id: Some("r1".into()) },
+            Event {
+                event_id: "e3".into(),
+                event_type: "PaymentRefunded".into(),
+                payment_id: "p1".into(),
+                refund_id: Some("r1".into()),
+            },
         ];
         (history, o)
     }

@@ -88,7 +88,11 @@ impl TransactionManager for FaultyCommits {
         let commit = (self.decide)();
         Ok(Box::new(FaultyUow { inner: self.inner.begin().await?, commit }))
     }
-    async fn completed_record(&self, scope: &str, key: &str) -> Result<Option<idem_ports::IdempotencyRecord>, StoreError> {
+    async fn completed_record(
+        &self,
+        scope: &str,
+        key: &str,
+    ) -> Result<Option<idem_ports::IdempotencyRecord>, StoreError> {
         self.inner.completed_record(scope, key).await
     }
     async fn confirm_replicated(&self) -> Result<(), StoreError> {

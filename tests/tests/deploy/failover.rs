@@ -389,7 +389,13 @@ pub async fn run(run: &Run) -> anyhow::Result<Report> {
     a.terminate();
     b.terminate();
     let server_errors = errors.load(Relaxed);
-    Ok(Report { verdict, faults: injected, orders: observed.orders_sent.len(), server_errors, elapsed: started.elapsed() })
+    Ok(Report {
+        verdict,
+        faults: injected,
+        orders: observed.orders_sent.len(),
+        server_errors,
+        elapsed: started.elapsed(),
+    })
 }
 
 /// Reads what the cluster and the topic hold once the outbox drained and the order events were consumed.
@@ -406,11 +412,10 @@ async fn observe(
     let (deadline, mut last, mut still) = (Instant::now() + Duration::from_secs(120), (-1, -1), Instant::now());
     loop {
         let outbox: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_message").fetch_one(&db).await?;
-        let paid: i64 = sqlx::query_scalar(
-            "SELECT count(DISTINCT order_id) FROM payment WHERE external_payment_id LIKE 'order-%'",
-        )
-        .fetch_one(&db)
-        .await?;
+        let paid: i64 =
+            sqlx::query_scalar("SELECT count(DISTINCT order_id) FROM payment WHERE external_payment_id LIKE 'order-%'")
+                .fetch_one(&db)
+                .await?;
         if outbox == 0 && paid as usize >= orders_sent.len() {
             break;
         }
@@ -433,7 +438,9 @@ async fn observe(
         sqlx::query_as("SELECT id::text, payment_id::text, amount FROM refund").fetch_all(&db).await?;
     o.refunds = rows.into_iter().map(|(id, p, a)| (id, (p, a))).collect();
     let rows: Vec<(String, i64)> =
-        sqlx::query_as("SELECT external_payment_id, count(*) FROM test_payment_attempt GROUP BY 1").fetch_all(&db).await?;
+        sqlx::query_as("SELECT external_payment_id, count(*) FROM test_payment_attempt GROUP BY 1")
+            .fetch_all(&db)
+            .await?;
     o.executions = rows.into_iter().collect();
     let rows: Vec<(String, i64, i64)> = sqlx::query_as(
         "SELECT o.order_id::text, (SELECT count(*) FROM test_application a WHERE a.order_id = o.order_id),

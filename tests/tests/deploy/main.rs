@@ -702,9 +702,11 @@ async fn a_commit_whose_standby_wait_was_cancelled_is_never_answered_as_a_succes
     .await?;
     assert!(synchronous, "the standby never became synchronous");
     let brokers = idem_tests::kafka_brokers().await?;
-    let mut full_path = Service::new(&primary.url("postgres"), &brokers).with_env("IDEMPOTENCY_REPLAY_FAST_PATH", "never");
+    let mut full_path =
+        Service::new(&primary.url("postgres"), &brokers).with_env("IDEMPOTENCY_REPLAY_FAST_PATH", "never");
     full_path.start().await?;
-    let mut fast_path = Service::new(&primary.url("postgres"), &brokers).with_env("IDEMPOTENCY_REPLAY_FAST_PATH", "always");
+    let mut fast_path =
+        Service::new(&primary.url("postgres"), &brokers).with_env("IDEMPOTENCY_REPLAY_FAST_PATH", "always");
     fast_path.start().await?;
     // one attempt per call: the test decides what is sent again
     let once = idem_http::client::RetryPolicy {
