@@ -130,13 +130,56 @@ fn rates(r: &[f64]) -> String {
     r.iter().map(|v| format!("{v:.0}")).collect::<Vec<_>>().join(" / ")
 }
 
-/// Fresh charges and replays, idem and the peer in interleaved slices, at `clients` clients.
+/// How the peer's clients hold its sessions (axum-idempotent caches a response only within a session, and a
+/// key is scoped by it). Both are realistic: one service calling another keeps one session (a shared API
+/// client: every worker may retry any key), while browsers and per-connection API clients open a session
+/// each (a client retries only its own keys). idem's keys are scoped by the API key either way.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Layout {
+    SharedSession,
+    SessionPerClient,
+}
+
+impl Layout {
+    fn name(self) -> &'static str {
+        match self {
+            Layout::SharedSession => "one shared session",
+            Layout::SessionPerClient => "a session per client",
+        }
+    }
+}
+
+/// A random (v4) key whose first byte names client `w`: in the session-per-client layout a client replays
+/// only keys it sent itself (another session would not find them).
+fn key_of(w: usize) -> String {
+    let mut bytes = *Uuid::new_v4().as_bytes();
+    bytes[0] = (w % 256) as u8;
+    uuid::Builder::from_random_bytes(bytes).into_uuid().to_string()
+}
+
+/// Fresh charges and replays, idem and the peer in interleaved slices, at `clients` clients, the peer in
+/// each session layout (BENCH_PEER_LAYOUTS: `shared`, `per-client`; both by default).
 async fn http(admin: &str, clients: usize) -> anyhow::Result<()> {
+    let layouts = std::env::var("BENCH_PEER_LAYOUTS").unwrap_or_else(|_| "shared,per-client".into());
+    for layout in [Layout::SharedSession, Layout::SessionPerClient] {
+        let tag = if layout == Layout::SharedSession { "shared" } else { "per-client" };
+        if layouts.split(',').any(|l| l.trim() == tag) {
+            http_layout(admin, clients, layout).await?;
+        }
+    }
+    Ok(())
+}
+
+async fn http_layout(admin: &str, clients: usize, layout: Layout) -> anyhow::Result<()> {
     let seconds: u64 = env_or("BENCH_SECONDS", 5);
     let rounds: usize = env_or("BENCH_ROUNDS", 4usize).max(1);
-    let pair = start_pair(admin, &clients.to_string(), clients).await?;
+    let tag = format!("{clients}_{}", if layout == Layout::SharedSession { "s" } else { "c" });
+    let mut pair = start_pair(admin, &tag, clients).await?;
+    if layout == Layout::SessionPerClient {
+        pair.peer_target.cookies = sessions(&pair.peer.base, clients).await?;
+    }
     let idem_target = Target::idem(&pair.idem.base);
-    let fresh = |_: usize, _: usize| (Uuid::new_v4().to_string(), charge_body());
+    let fresh = |w: usize, _: usize| (key_of(w), charge_body());
     // warm-up of both (connections, caches)
     let _ = phase_on(&idem_target, clients, Duration::from_secs(2), fresh).await;
     let _ = phase_on(&pair.peer_target, clients, Duration::from_secs(2), fresh).await;
@@ -145,24 +188,42 @@ async fn http(admin: &str, clients: usize) -> anyhow::Result<()> {
         slice(&pair.idem, &idem_target, clients, seconds, &mut idem_first, fresh).await;
         slice(&pair.peer, &pair.peer_target, clients, seconds, &mut peer_first, fresh).await;
     }
-    // Replays of stored keys (every client of the peer shares one session, as every client of idem shares
-    // one API key: any client may replay any key).
-    let (idem_sent, peer_sent) = (Arc::new(idem_first.sent.clone()), Arc::new(peer_first.sent.clone()));
+    // Replays of stored keys: with one shared session any client may replay any key (as every client of
+    // idem shares one API key); with a session per client, each replays the keys it sent itself.
+    let replays_of = |side: &Side| {
+        let mut by_client: Vec<Vec<(String, String)>> = vec![Vec::new(); clients];
+        for (key, body) in &side.sent {
+            let w = usize::from(Uuid::parse_str(key).map(|u| u.as_bytes()[0]).unwrap_or(0)) % clients;
+            let owner = if layout == Layout::SharedSession { by_client.len() - 1 } else { w };
+            by_client[owner].push((key.clone(), body.clone()));
+        }
+        if layout == Layout::SharedSession {
+            let all = by_client.pop().unwrap_or_default();
+            by_client = vec![all; clients];
+        }
+        Arc::new(by_client)
+    };
+    let (idem_sent, peer_sent) = (replays_of(&idem_first), replays_of(&peer_first));
     let (mut idem_replay, mut peer_replay) = (Side::default(), Side::default());
     for _ in 0..rounds {
         let pick = idem_sent.clone();
         slice(&pair.idem, &idem_target, clients, seconds, &mut idem_replay, move |w, i| {
-            pick[(w * 7919 + i) % pick.len()].clone()
+            let own = &pick[w];
+            own[(w * 7919 + i) % own.len().max(1)].clone()
         })
         .await;
         let pick = peer_sent.clone();
         slice(&pair.peer, &pair.peer_target, clients, seconds, &mut peer_replay, move |w, i| {
-            pick[(w * 7919 + i) % pick.len()].clone()
+            let own = &pick[w];
+            own[(w * 7919 + i) % own.len().max(1)].clone()
         })
         .await;
     }
     println!();
-    println!("HTTP, {clients} clients, {rounds} interleaved slices of {seconds} s per phase:");
+    println!(
+        "HTTP, {clients} clients, the peer with {}, {rounds} interleaved slices of {seconds} s per phase:",
+        layout.name()
+    );
     println!(
         "{:<40} {:>10} {:>8} {:>10} {:>9} {:>9} {:>14} {:>14}",
         "phase", "ops", "errors", "ops/s", "p50 ms", "p99 ms", "service CPU ms", "PostgreSQL ms"
@@ -191,10 +252,14 @@ async fn http(admin: &str, clients: usize) -> anyhow::Result<()> {
     let ratio = |a: &Side, b: &Side| a.summary("").rate() / b.summary("").rate().max(1e-9);
     let cpu = |a: &Side| a.per_op(a.service_ms + a.postgres_ms);
     println!(
-        "idem / axum-idempotent at {clients} clients: new charges {:.2}x, replays {:.2}x (target >= 1); \
-         CPU (service + PostgreSQL) per new charge {:.3} vs {:.3} ms, per replay {:.3} vs {:.3} ms",
+        "idem / axum-idempotent at {clients} clients, {}: new charges {:.2}x, replays {:.2}x; PostgreSQL CPU per \
+         new charge {:.3} vs {:.3} ms; CPU (service + PostgreSQL) per new charge {:.3} vs {:.3} ms, per replay \
+         {:.3} vs {:.3} ms",
+        layout.name(),
         ratio(&idem_first, &peer_first),
         ratio(&idem_replay, &peer_replay),
+        idem_first.per_op(idem_first.postgres_ms),
+        peer_first.per_op(peer_first.postgres_ms),
         cpu(&idem_first),
         cpu(&peer_first),
         cpu(&idem_replay),

@@ -69,6 +69,8 @@ pub struct Event {
     pub event_type: String,
     pub payment_id: String,
     pub refund_id: Option<String>,
+    /// The payment's order (for reports).
+    pub order_id: String,
 }
 
 /// What the database and the topic hold after the run.
@@ -290,6 +292,7 @@ mod tests {
             event_type: "PaymentCaptured".into(),
             payment_id: payment.into(),
             refund_id: None,
+            order_id: String::new(),
         }
     }
 
@@ -321,6 +324,7 @@ mod tests {
                 event_type: "PaymentRefunded".into(),
                 payment_id: "p1".into(),
                 refund_id: Some("r1".into()),
+                order_id: String::new(),
             },
         ];
         (history, o)
@@ -371,6 +375,7 @@ mod tests {
             event_type: "PaymentRefunded".into(),
             payment_id: "p1".into(),
             refund_id: Some("r2".into()),
+            order_id: String::new(),
         });
         let v = check(&history, &observed);
         assert!(v.duplicated.iter().any(|l| l.contains("2 refunds stored, 1 asked")), "{v:?}");

@@ -68,14 +68,15 @@ pub struct Run {
 
 impl Run {
     /// From `faults_var` (comma-separated names; else `default`) repeated `FAILOVER_ROUNDS` times
-    /// (default 1), each held `FAILOVER_HOLD` seconds (default 8).
+    /// (default 1), each held `FAILOVER_HOLD` seconds (default 12: longer than Patroni's `ttl`, so a cut
+    /// primary is replaced while it is cut).
     pub fn from_env(faults_var: &str, base_port: u16, asynchronous: bool, default: &[Fault]) -> anyhow::Result<Self> {
         let faults = match std::env::var(faults_var) {
             Ok(names) => names.split(',').map(|n| Fault::parse(n.trim())).collect::<anyhow::Result<Vec<_>>>()?,
             Err(_) => default.to_vec(),
         };
         let rounds: usize = std::env::var("FAILOVER_ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(1);
-        let hold = std::env::var("FAILOVER_HOLD").ok().and_then(|h| h.parse().ok()).unwrap_or(8);
+        let hold = std::env::var("FAILOVER_HOLD").ok().and_then(|h| h.parse().ok()).unwrap_or(12);
         Ok(Self {
             base_port,
             asynchronous,
@@ -90,6 +91,8 @@ impl Run {
 #[derive(Debug, Clone)]
 pub struct Injected {
     pub fault: Fault,
+    /// The wall clock at the fault (to match UUID v7 ids and logs).
+    pub wall: chrono::DateTime<chrono::Utc>,
     pub at: Duration,
     pub healed: Duration,
     /// The longest time without a success from the fault on, and the time from the fault to steady state
@@ -129,9 +132,10 @@ impl Report {
         );
         for f in &self.faults {
             println!(
-                "  {:<18} at {:>6.1} s, healed {:>5.1} s later; no success for {:.1} s, steady after {}",
+                "  {:<18} at {:>6.1} s ({}), healed {:>5.1} s later; no success for {:.1} s, steady after {}",
                 f.fault.name(),
                 f.at.as_secs_f64(),
+                f.wall.format("%H:%M:%S%.3f"),
                 (f.healed - f.at).as_secs_f64(),
                 f.outage.as_secs_f64(),
                 f.steady.map_or("never".into(), |d| format!("{:.1} s", d.as_secs_f64())),
@@ -329,7 +333,7 @@ pub async fn run(run: &Run) -> anyhow::Result<Report> {
     let mut injected = Vec::new();
     for fault in &run.schedule {
         tokio::time::sleep(run.quiet).await;
-        let at = start.elapsed();
+        let (at, wall) = (start.elapsed(), chrono::Utc::now());
         match fault {
             Fault::KillPrimary | Fault::IsolatePrimary | Fault::PartitionPrimary => {
                 cluster.run(fault.name())?;
@@ -348,9 +352,15 @@ pub async fn run(run: &Run) -> anyhow::Result<Report> {
             }
         }
         let healed = start.elapsed();
-        // the next fault starts on a healthy cluster
+        // the next fault starts on a healthy cluster, with clients succeeding again (a partition healed
+        // before a failover leaves commits waiting until the standby reconnects, seconds after `heal`)
         cluster.wait_healthy(Duration::from_secs(120))?;
-        injected.push(Injected { fault: *fault, at, healed, outage: Duration::ZERO, steady: None });
+        let ready = start.elapsed();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline && !successes.lock().await.iter().any(|t| *t > ready) {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        injected.push(Injected { fault: *fault, wall, at, healed, outage: Duration::ZERO, steady: None });
     }
     tokio::time::sleep(run.quiet).await;
     let stopped = start.elapsed();
@@ -459,7 +469,30 @@ async fn observe(
             event_type: body["type"].as_str().unwrap_or_default().to_owned(),
             payment_id: body["payment_id"].as_str().unwrap_or_default().to_owned(),
             refund_id: body["refund_id"].as_str().map(str::to_owned),
+            order_id: body["order_id"].as_str().unwrap_or_default().to_owned(),
         });
+    }
+    // what the database says of an announced payment it does not hold (for the report)
+    let stored: BTreeSet<&str> = o.payments.values().flatten().map(|(id, _)| id.as_str()).collect();
+    let mut explained = BTreeSet::new();
+    for m in &o.events {
+        if m.event_type == "PaymentCaptured" && !stored.contains(m.payment_id.as_str()) && explained.insert(&m.order_id)
+        {
+            let facts: (i64, i64, i64) = sqlx::query_as(
+                "SELECT (SELECT count(*) FROM payment WHERE order_id::text = $1),
+                        (SELECT count(*) FROM test_application WHERE order_id::text = $1),
+                        (SELECT count(*) FROM order_projection WHERE order_id::text = $1)",
+            )
+            .bind(&m.order_id)
+            .fetch_one(&db)
+            .await?;
+            let minted = Uuid::parse_str(&m.payment_id).ok().and_then(|u| u.get_timestamp()).map(|t| t.to_unix());
+            println!(
+                "  announced payment {} (minted at unix {minted:?}) of order {} is not stored: (payments, \
+                 applications, projection rows) of the order {facts:?}",
+                m.payment_id, m.order_id
+            );
+        }
     }
     db.close().await;
     Ok(o)
