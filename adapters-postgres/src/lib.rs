@@ -350,10 +350,12 @@ impl PgStore {
     }
 
     /// Whether LISTEN can be used: directly connected, or a direct URL was given.
-    pub(crate) fn listen_options(&self) -> Option<PgConnectOptions> {
+    /// The servers LISTEN connects to: the direct URL's, or the store's own (none behind a transaction
+    /// pooler without a direct URL).
+    pub(crate) fn listen_servers(&self) -> Option<servers::Servers> {
         match (&self.direct, &self.begin_sql) {
-            (Some(direct), _) => Some(direct.0.current()),
-            (None, None) => Some(self.servers.current()),
+            (Some(direct), _) => Some(direct.0.clone()),
+            (None, None) => Some(self.servers.clone()),
             (None, Some(_)) => None,
         }
     }

@@ -118,6 +118,8 @@ pub struct PgOutboxWakeup {
     listener: Option<PgListener>,
     local: watch::Receiver<u64>,
     instance: String,
+    /// What the listener's pool follows: asked to find the current server when LISTEN fails.
+    servers: Option<crate::servers::Servers>,
 }
 
 impl std::fmt::Debug for PgOutboxWakeup {
@@ -132,9 +134,13 @@ impl PgOutboxWakeup {
     /// Behind a transaction pooler, LISTEN goes over the store's direct connection; without one, there
     /// is no listener: the relay is woken by its own process's commits and polls for other instances'.
     pub async fn connect(store: &crate::PgStore) -> Result<Self, StoreError> {
-        let listener = match store.listen_options() {
-            Some(options) => {
-                let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_lazy_with(options);
+        let servers = store.listen_servers();
+        let listener = match &servers {
+            Some(servers) => {
+                // the listener reconnects through this pool, which follows the URL's servers: after a
+                // failover it reaches the new primary, never the old one again
+                let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_lazy_with(servers.current());
+                servers.follow(&pool);
                 let mut listener = PgListener::connect_with(&pool).await.map_err(map_sqlx_error)?;
                 listener.listen(OUTBOX_CHANNEL).await.map_err(map_sqlx_error)?;
                 Some(listener)
@@ -147,7 +153,7 @@ impl PgOutboxWakeup {
         let signal = store.outbox_signal();
         let mut local = signal.subscribe();
         local.mark_unchanged();
-        Ok(Self { listener, local, instance: signal.inner.instance.clone() })
+        Ok(Self { listener, local, instance: signal.inner.instance.clone(), servers })
     }
 }
 
@@ -180,6 +186,11 @@ impl OutboxWakeup for PgOutboxWakeup {
                     Ok(None) => return, // connection lost and re-established: poll now
                     Err(e) => {
                         tracing::warn!(error = %e, "outbox LISTEN failed; polling");
+                        // a server that went away or became a standby: find the URL's current one, so the
+                        // listener's next connection goes there
+                        if let Some(servers) = &self.servers {
+                            let _ = tokio::time::timeout_at(deadline, servers.resolve()).await;
+                        }
                         tokio::time::sleep_until(deadline).await;
                         return;
                     }
