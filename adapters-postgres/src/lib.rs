@@ -349,7 +349,6 @@ impl PgStore {
         Ok(self)
     }
 
-    /// Whether LISTEN can be used: directly connected, or a direct URL was given.
     /// The servers LISTEN connects to: the direct URL's, or the store's own (none behind a transaction
     /// pooler without a direct URL).
     pub(crate) fn listen_servers(&self) -> Option<servers::Servers> {
@@ -647,7 +646,8 @@ impl TransactionManager for PgStore {
 
 fn unconfirmed(bound: Duration) -> StoreError {
     StoreError::Unavailable(format!(
-        "the synchronous standby did not confirm the stored answer within {} ms: it is not given until a standby          has it",
+        "the synchronous standby did not confirm the stored answer within {} ms: it is not given until a standby \
+         has it",
         bound.as_millis()
     ))
 }

@@ -275,20 +275,12 @@ pub(crate) async fn read(
     scope: &str,
     key: &str,
 ) -> Result<Option<RecordRow>, sqlx::Error> {
-    sqlx::query_as!(
-        RecordRow,
-        r#"SELECT scope, key, command_hash, state, status_code, response_headers, response_body,
-                      created_at, expires_at, attempt, lease_until, recovery_point
-               FROM idempotency_record WHERE scope = $1 AND key = $2"#,
-        scope,
-        key,
-    )
-    .fetch_optional(conn)
-    .await
+    Ok(read_with_standby(conn, scope, key).await?.map(|(record, _)| record))
 }
 
-/// [`read`] for the replay fast path, with whether a synchronous standby is configured (so a replay on a
-/// server without one costs this read alone; `replication.rs`).
+/// [`read`], with whether a synchronous standby is configured: the replay fast path needs both, and on a
+/// server without a standby a replay then costs this read alone (`replication.rs`; the setting is a lookup
+/// in the session, no round trip).
 pub(crate) async fn read_with_standby(
     conn: &mut sqlx::PgConnection,
     scope: &str,
