@@ -3,7 +3,10 @@
 //! For each request the layer:
 //! 1. buffers the body (bounded) and reads the `Idempotency-Key` (exactly one, bare or sf-string form);
 //! 2. begins a unit of work and **claims** `(scope, key)` in it — an in-flight row, uncommitted;
-//!    a concurrent request with the same key blocks on that row for at most `wait`;
+//!    a concurrent request with the same key blocks on that row for at most `wait`. A first send instead
+//!    **records at commit** ([`IdempotencyConfig::record_at_commit`], the default): no row before the
+//!    handler, one completed row inserted at step 5; a concurrent duplicate's insert blocks on it the same
+//!    way, and a send that finds the key taken there rolls back and goes through steps 2–5 claim first;
 //! 3. if the key holds a live record, decides with [`idem_domain::decide`]: replay the stored response,
 //!    409/422 for a different request, 409 + `Retry-After` while the first is still running. A retry
 //!    whose record is already completed and matches is replayed before step 2, from one read without a
@@ -23,10 +26,13 @@
 //! # Guarantees
 //!
 //!
-//! - **A duplicate never executes.** The claim row is uncommitted while the first request runs; PostgreSQL
-//!   makes a concurrent `INSERT … ON CONFLICT` on the same key wait for that transaction. When it commits, the
-//!   waiter sees the completed record and replays; when it rolls back, the waiter claims and executes; when
-//!   the wait exceeds `IdempotencyConfig::wait`, the waiter answers 409 `request-in-flight` with `Retry-After: 1`.
+//! - **A duplicate never executes twice.** The claim row is uncommitted while the first request runs;
+//!   PostgreSQL makes a concurrent `INSERT … ON CONFLICT` on the same key wait for that transaction. When it
+//!   commits, the waiter sees the completed record and replays; when it rolls back, the waiter claims and
+//!   executes; when the wait exceeds `IdempotencyConfig::wait`, the waiter answers 409 `request-in-flight`
+//!   with `Retry-After: 1`. Recorded at commit, a duplicate on another instance may run its handler, but
+//!   its writes wait on the same row at the end and roll back: at most one execution's effects commit
+//!   (`model/src/http_claim.rs`). Duplicates within one process wait for the first in memory and claim first.
 //! - **Crash safety.** There is no moment where a payment exists without its record or the reverse: they
 //!   commit together. A crash before the commit leaves nothing; the client's retry executes again.
 //! - **Keys are scoped.** The primary key is `(scope, key)`; merchant B's key `k` is a different row from
@@ -115,6 +121,12 @@ pub struct IdempotencyConfig {
     /// How long an attempt holds a record between the phases of a foreign call without renewing it
     /// (`IDEMPOTENCY_LEASE`; see [`Tx::foreign_call`]).
     pub lease: Duration,
+    /// Whether a first send records its key at commit (one write of the record, after the handler) instead
+    /// of claiming it first (a write before the handler and its completion after): `true` by default. Both
+    /// keep every guarantee (`model/src/http_claim.rs`); at commit, a duplicate on another instance runs
+    /// its handler until its record's insert waits for the first request, then rolls back and replays —
+    /// set `false` where a handler's writes are costly to throw away.
+    pub record_at_commit: bool,
     /// What makes two requests under one key the same request; `None`: method, path and query, and the
     /// whole body as canonical JSON ([`Fingerprint::of_request`]). [`Self::ignoring_fields`] leaves out
     /// body fields a client may change between retries.
@@ -145,6 +157,7 @@ impl IdempotencyConfig {
             replay_fast_path: FastPath::Adaptive,
             new_keys: None,
             lease: idem_domain::phases::DEFAULT_LEASE,
+            record_at_commit: true,
             fingerprint: None,
         }
     }
@@ -245,8 +258,9 @@ impl Drop for Leader {
 
 impl InFlight {
     /// Becomes the leader of `slot`, waiting (up to `deadline`) while another request of this process
-    /// leads it. `None` when the deadline passed first.
-    async fn lead(self: &Arc<Self>, slot: (String, String), deadline: tokio::time::Instant) -> Option<Leader> {
+    /// leads it; with whether it waited. `None` when the deadline passed first.
+    async fn lead(self: &Arc<Self>, slot: (String, String), deadline: tokio::time::Instant) -> Option<(Leader, bool)> {
+        let mut waited = false;
         loop {
             let mut running = {
                 let mut map = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -255,10 +269,11 @@ impl InFlight {
                     None => {
                         let done = Arc::new(watch::channel(false).0);
                         map.insert(slot.clone(), done.clone());
-                        return Some(Leader { in_flight: self.clone(), slot, done });
+                        return Some((Leader { in_flight: self.clone(), slot, done }, waited));
                     }
                 }
             };
+            waited = true;
             match tokio::time::timeout_at(deadline, running.wait_for(|done| *done)).await {
                 Ok(_) => continue,
                 Err(_) => return None,
@@ -398,6 +413,16 @@ struct PhaseContext {
     entered: std::sync::atomic::AtomicBool,
     /// The request, kept as cheap clones (shared buffers) until a first phase stores it for the completer.
     request: (http::Method, http::Uri, Option<http::HeaderValue>, Bytes),
+    /// The key's claim: made before the handler (claim first), or by the layer at the end or by a first
+    /// phase ([`Tx::foreign_call`]) on the record-at-commit path.
+    claim: IdempotencyClaim,
+    /// The claim row is this unit's (always on the claim-first path).
+    claimed: std::sync::atomic::AtomicBool,
+    /// Record at commit: a first phase found the key taken (its writes roll back, the request is decided
+    /// again on the claim-first path).
+    key_taken: std::sync::atomic::AtomicBool,
+    /// The end of the request's wait budget (bounds the lock wait of a claim made later).
+    deadline: tokio::time::Instant,
 }
 
 impl fmt::Debug for UnitOfWorkHandle {
@@ -493,6 +518,18 @@ impl Tx {
         };
         let ctx = self.1.clone().ok_or_else(|| internal("Tx::foreign_call needs a request with an Idempotency-Key"))?;
         let mut uow = self.0.take().ok_or_else(|| internal("Tx::foreign_call twice without Tx::resume"))?;
+        if !ctx.claimed.load(std::sync::atomic::Ordering::Relaxed) {
+            // record at commit: the first phase commits the claim with the intent, so it claims here
+            match uow.idempotency().claim(&ctx.claim, ctx.clock.now(), ctx.claim_wait()).await {
+                Ok(ClaimOutcome::Claimed) => ctx.claimed.store(true, std::sync::atomic::Ordering::Relaxed),
+                Ok(ClaimOutcome::Existing(_)) | Err(StoreError::LockTimeout) => {
+                    // the key was taken meanwhile: these writes roll back, the layer decides again
+                    ctx.key_taken.store(true, std::sync::atomic::Ordering::Relaxed);
+                    return Err(Problem::new(ProblemKind::RequestInFlight, StatusCode::CONFLICT).retry_after(1));
+                }
+                Err(e) => return Err(phase_store_problem(&e)),
+            }
+        }
         // the first hold keeps the request, so the completer can finish it if this process dies
         let first_hold = PhaseHold { request: Some(ctx.stored_request()), ..ctx.hold(step) };
         match uow.idempotency().hold(&ctx.scope, &ctx.key, &first_hold).await {
@@ -600,6 +637,11 @@ impl Tx {
 }
 
 impl PhaseContext {
+    /// What is left of the request's wait budget for a lock wait on the key (at least 100 ms).
+    fn claim_wait(&self) -> Duration {
+        self.deadline.saturating_duration_since(tokio::time::Instant::now()).max(Duration::from_millis(100))
+    }
+
     /// The request as the completer re-sends it.
     fn stored_request(&self) -> StoredRequest {
         let (method, uri, content_type, body) = &self.request;
@@ -753,7 +795,7 @@ fn replay(stored: &StoredResponse) -> Response {
 
 async fn handle<S>(shared: Arc<Shared>, inner: S, req: Request<Body>) -> Response
 where
-    S: Service<Request<Body>, Response = Response, Error = Infallible> + Send,
+    S: Service<Request<Body>, Response = Response, Error = Infallible> + Clone + Send,
     S::Future: Send,
 {
     let (parts, body) = req.into_parts();
@@ -767,7 +809,10 @@ where
             Ok(uow) => uow,
             Err(e) => return store_failure(&e),
         };
-        return execute(&shared, inner, parts, body, uow, None).await;
+        return match execute(&shared, inner, parts, body, uow, None).await {
+            Executed::Answer(response) => response,
+            Executed::KeyTaken => in_flight(), // no key, no record: never
+        };
     }
 
     let key = match read_key(&parts.headers) {
@@ -821,6 +866,51 @@ where
     // An old key is refused only when its record is gone (looked up below): a late first send of a key
     // whose request did run replays.
     let expired = key.is_expired(&config.ttl, shared.clock.now());
+    // One wait budget for both: the in-process wait for a leader of this key, then the database claim.
+    let deadline = tokio::time::Instant::now() + config.wait;
+    let Some((_leader, waited)) = shared.in_flight.lead((scope.clone(), key.as_str().to_owned()), deadline).await
+    else {
+        return in_flight();
+    };
+    let now = shared.clock.now();
+    let claim = IdempotencyClaim {
+        scope,
+        key: key.as_str().to_owned(),
+        command_hash: *fingerprint.as_bytes(),
+        created_at: now,
+        // a key dated ahead (within the margin) is accepted until its own time + TTL: its record lives as long
+        expires_at: config.ttl.retain_until(now, key.first_sent()),
+    };
+    // Record at commit: a first send runs the handler before any record exists, and the completed record
+    // is inserted once, at the end of the same unit (`IdempotencyRepository::insert_completed`), instead of
+    // claimed first and completed (two writes of the row). The unique key still serialises a concurrent
+    // duplicate on another instance: its insert waits for this unit, finds the record, rolls its writes
+    // back and is decided again below. Claim first instead for a duplicate that waited behind a leader of
+    // this process (its record is most likely there: no work is done for nothing), an old v7 key (refused
+    // if its record is gone), and a scope out of new-key tokens (only a known key may pass). The handler's
+    // foreign call claims in its first phase (`Tx::foreign_call`). Model: `model/src/http_claim.rs`.
+    let mut token_taken = false;
+    if config.record_at_commit && !waited && !expired {
+        token_taken = config.new_keys.is_some();
+        if config.new_keys.as_ref().is_none_or(|q| q.take(&claim.scope).is_ok()) {
+            let uow = match shared.tm.begin().await {
+                Ok(uow) => uow,
+                Err(e) => return store_failure(&e),
+            };
+            let run = Run { claim: claim.clone(), attempt: 1, resume_at: None, claimed: false, deadline };
+            match execute(&shared, inner.clone(), parts.clone(), body.clone(), uow, Some(run)).await {
+                Executed::Answer(response) => return response,
+                Executed::KeyTaken => tracing::debug!(key = %claim.key, "key taken meanwhile: decided again"),
+            }
+        } else {
+            token_taken = false;
+        }
+    }
+    let answer = |executed: Executed| match executed {
+        Executed::Answer(response) => response,
+        // a claim-first run holds its claim from the start: nobody can take the key from it
+        Executed::KeyTaken => in_flight(),
+    };
     let refuse_expired = || {
         let problem = layer_problem(ProblemKind::IdempotencyKeyExpired, StatusCode::UNPROCESSABLE_ENTITY).detail(
             "this UUID v7 Idempotency-Key was created longer ago than idempotency records are kept: its first \
@@ -829,24 +919,10 @@ where
         );
         tagged(problem.into_response(), "rejected_input")
     };
-    // One wait budget for both: the in-process wait for a leader of this key, then the database claim.
-    let deadline = tokio::time::Instant::now() + config.wait;
-    let Some(_leader) = shared.in_flight.lead((scope.clone(), key.as_str().to_owned()), deadline).await else {
-        return in_flight();
-    };
     let claim_wait = deadline.saturating_duration_since(tokio::time::Instant::now()).max(Duration::from_millis(100));
-    let now = shared.clock.now();
     let mut uow = match shared.tm.begin().await {
         Ok(uow) => uow,
         Err(e) => return store_failure(&e),
-    };
-    let claim = IdempotencyClaim {
-        scope,
-        key: key.as_str().to_owned(),
-        command_hash: *fingerprint.as_bytes(),
-        created_at: now,
-        // a key dated ahead (within the margin) is accepted until its own time + TTL: its record lives as long
-        expires_at: config.ttl.retain_until(now, key.first_sent()),
     };
     let outcome = if expired {
         match uow.idempotency().get(&claim.scope, &claim.key).await {
@@ -860,14 +936,15 @@ where
     match outcome {
         Ok(ClaimOutcome::Claimed) => {
             shared.replays.record(false);
-            if let Some(Err(wait)) = config.new_keys.as_ref().map(|q| q.take(&claim.scope)) {
+            if !token_taken && let Some(Err(wait)) = config.new_keys.as_ref().map(|q| q.take(&claim.scope)) {
                 drop(uow); // rolled back: nothing ran, nothing is stored, the key stays free
                 let problem = layer_problem(ProblemKind::TooManyRequests, StatusCode::TOO_MANY_REQUESTS)
                     .detail("too many new Idempotency-Keys of this client; retry with the same key after the given delay")
                     .retry_after(u32::try_from(wait.as_secs().max(1)).unwrap_or(u32::MAX));
                 return tagged(problem.into_response(), "rate_limited");
             }
-            execute(&shared, inner, parts, body, uow, Some((claim, 1, None))).await
+            let run = Run { claim, attempt: 1, resume_at: None, claimed: true, deadline };
+            answer(execute(&shared, inner, parts, body, uow, Some(run)).await)
         }
         Ok(ClaimOutcome::Existing(record)) => match decide(Some(&record), &fingerprint, now) {
             Decision::Resume { attempt, recovery_point } => {
@@ -882,7 +959,9 @@ where
                 match uow.idempotency().take_over(&claim.scope, &claim.key, attempt, lease.until, now).await {
                     Ok(true) => {
                         tracing::info!(key = %claim.key, attempt = lease.attempt, resume_at, "taking over a request whose attempt lost its lease");
-                        execute(&shared, inner, parts, body, uow, Some((claim, lease.attempt, Some(resume_at)))).await
+                        let run =
+                            Run { claim, attempt: lease.attempt, resume_at: Some(resume_at), claimed: true, deadline };
+                        answer(execute(&shared, inner, parts, body, uow, Some(run)).await)
                     }
                     Ok(false) => in_flight(),
                     Err(e) => store_failure(&e),
@@ -912,27 +991,46 @@ layer_problem(ProblemKind::IdempotencyKeyReused, config.conflict_status)
     }
 }
 
+/// One execution of a keyed request: its claim, attempt and recovery point, and whether the claim row is
+/// already its own (claim first) or is inserted completed at the end (record at commit).
+struct Run {
+    claim: IdempotencyClaim,
+    attempt: u32,
+    resume_at: Option<String>,
+    claimed: bool,
+    deadline: tokio::time::Instant,
+}
+
+/// How an execution ended.
+enum Executed {
+    /// The answer to send (executed, refused, failed).
+    Answer(Response),
+    /// Record at commit only: the key turned out taken (the record's insert or a first phase found it);
+    /// everything was rolled back, nothing answered: decide again, claim first.
+    KeyTaken,
+}
+
 async fn execute<S>(
     shared: &Shared,
     mut inner: S,
     parts: Parts,
     body: Bytes,
     uow: Box<dyn UnitOfWork>,
-    claim: Option<(IdempotencyClaim, u32, Option<String>)>,
-) -> Response
+    run: Option<Run>,
+) -> Executed
 where
     S: Service<Request<Body>, Response = Response, Error = Infallible> + Send,
     S::Future: Send,
 {
-    let phase = claim.as_ref().map(|(c, attempt, resume_at)| {
+    let phase = run.map(|run| {
         Arc::new(PhaseContext {
             tm: shared.tm.clone(),
             clock: shared.clock.clone(),
             lease: shared.config.lease,
-            scope: c.scope.clone(),
-            key: c.key.clone(),
-            attempt: *attempt,
-            resume_at: resume_at.clone(),
+            scope: run.claim.scope.clone(),
+            key: run.claim.key.clone(),
+            attempt: run.attempt,
+            resume_at: run.resume_at,
             entered: std::sync::atomic::AtomicBool::new(false),
             request: (
                 parts.method.clone(),
@@ -940,35 +1038,61 @@ where
                 parts.headers.get(header::CONTENT_TYPE).cloned(),
                 body.clone(),
             ),
+            claim: run.claim,
+            claimed: std::sync::atomic::AtomicBool::new(run.claimed),
+            key_taken: std::sync::atomic::AtomicBool::new(false),
+            deadline: run.deadline,
         })
     });
-    let claim = claim.map(|(c, ..)| c);
     let handle = UnitOfWorkHandle(Arc::new(Mutex::new(Some(uow))), Arc::default(), phase.clone());
     let route = parts.extensions.get::<axum::extract::MatchedPath>().map(|p| p.as_str().to_owned());
     let mut req = Request::from_parts(parts, Body::from(body));
     req.extensions_mut().insert(handle.clone());
-    let response = match inner.call(req).await {
-        Ok(r) => r,
+    // driven to readiness here: a request decided again runs on a clone of the service
+    let response = match tower::ServiceExt::ready(&mut inner).await {
+        Ok(ready) => match ready.call(req).await {
+            Ok(r) => r,
+            Err(never) => match never {},
+        },
         Err(never) => match never {},
     };
+    let flag = |f: fn(&PhaseContext) -> &std::sync::atomic::AtomicBool| {
+        phase.as_deref().is_some_and(|p| f(p).load(std::sync::atomic::Ordering::Relaxed))
+    };
+    if flag(|p| &p.key_taken) {
+        drop(handle.0.lock().await.take()); // rolled back
+        return Executed::KeyTaken;
+    }
     let Some(mut uow) = handle.0.lock().await.take() else {
-        if phase.is_some_and(|p| p.entered.load(std::sync::atomic::Ordering::Relaxed))
-            && !response.status().is_success()
-        {
+        if flag(|p| &p.entered) && !response.status().is_success() {
             // between the phases: the first is committed and the record held; the handler's answer (an
             // outcome unknown) goes out as it is, and the retry resumes with the same downstream key
-            return tagged(response, "phase_pending");
+            return Executed::Answer(tagged(response, "phase_pending"));
         }
-        return layer_problem(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR).into_response();
+        return Executed::Answer(
+            layer_problem(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR).into_response(),
+        );
     };
+    // record at commit, nothing claimed yet: the record is inserted below (or the key found taken)
+    let unclaimed = phase.as_deref().filter(|p| !p.claimed.load(std::sync::atomic::Ordering::Relaxed));
     let status = response.status();
     let commits = !status.is_server_error()
         && (!status.is_client_error() || response.extensions().get::<CommitRefusal>().is_some());
     if !commits {
+        // A refusal on the record-at-commit path may come from the key being taken meanwhile (the
+        // handler's writes met the other request's): decided again if a live record exists now.
+        if let Some(p) = unclaimed {
+            let now = shared.clock.now();
+            match uow.idempotency().get(&p.claim.scope, &p.claim.key).await {
+                Ok(Some(record)) if record.expires_at > now => return Executed::KeyTaken,
+                Ok(_) => {}
+                Err(_) => return Executed::KeyTaken, // an aborted unit cannot tell: decide again
+            }
+        }
         // Roll back the business effect and the claim: nothing is stored, a retry executes again.
         drop(uow);
         let outcome = if status.is_server_error() { "failed" } else { "rejected_input" };
-        return tagged(response, outcome);
+        return Executed::Answer(tagged(response, outcome));
     }
     if !handle.1.load(std::sync::atomic::Ordering::Relaxed) {
         // Its answer is stored, but whatever it wrote went through another connection: not atomic with the
@@ -981,9 +1105,11 @@ where
     let (mut resp_parts, resp_body) = response.into_parts();
     let Ok(resp_bytes) = axum::body::to_bytes(resp_body, shared.config.max_response_body).await else {
         tracing::error!("response body too large to store; rolled back");
-        return layer_problem(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR).into_response();
+        return Executed::Answer(
+            layer_problem(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR).into_response(),
+        );
     };
-    if let Some(claim) = &claim {
+    if let Some(p) = phase.as_deref() {
         let stored = StoredResponse {
             status_code: resp_parts.status.as_u16(),
             headers: resp_parts
@@ -994,8 +1120,19 @@ where
                 .collect(),
             body: resp_bytes.to_vec(),
         };
-        if let Err(e) = uow.idempotency().complete(&claim.scope, &claim.key, &stored).await {
-            return store_failure(&e);
+        if unclaimed.is_some() {
+            let now = shared.clock.now();
+            match uow.idempotency().insert_completed(&p.claim, &stored, now, p.claim_wait()).await {
+                Ok(ClaimOutcome::Claimed) => shared.replays.record(false),
+                Ok(ClaimOutcome::Existing(_)) => {
+                    drop(uow); // the writes were made for a key another request took: rolled back
+                    return Executed::KeyTaken;
+                }
+                Err(StoreError::LockTimeout) => return Executed::Answer(in_flight()),
+                Err(e) => return Executed::Answer(store_failure(&e)),
+            }
+        } else if let Err(e) = uow.idempotency().complete(&p.claim.scope, &p.claim.key, &stored).await {
+            return Executed::Answer(store_failure(&e));
         }
     }
     if let Err(e) = uow.commit().await {
@@ -1010,10 +1147,10 @@ where
                  the request)",
             )
             .retry_after(1);
-        return tagged(problem.into_response(), "outcome_unknown");
+        return Executed::Answer(tagged(problem.into_response(), "outcome_unknown"));
     }
     resp_parts.headers.remove(header::CONTENT_LENGTH);
-    tagged(Response::from_parts(resp_parts, Body::from(resp_bytes)), "executed")
+    Executed::Answer(tagged(Response::from_parts(resp_parts, Body::from(resp_bytes)), "executed"))
 }
 
 #[cfg(test)]

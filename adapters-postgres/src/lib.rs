@@ -709,12 +709,20 @@ impl PgUnitOfWork {
     }
 }
 
+#[async_trait::async_trait]
 impl PaymentUnitOfWork for PgUnitOfWork {
     fn payments(&mut self) -> &mut dyn PaymentRepository {
         self
     }
     fn projections(&mut self) -> &mut dyn ProjectionRepository {
         self
+    }
+    async fn insert_announced(
+        &mut self,
+        payment: &idem_ports::NewPayment,
+        announcement: &idem_ports::NewOutboxMessage,
+    ) -> Result<idem_ports::PaymentInsert, StoreError> {
+        self.insert_announced_pg(payment, announcement).await
     }
 }
 

@@ -10,9 +10,17 @@
 //! transaction, and the row lock a claim takes on `(scope, key)` (a second claim waits for the first
 //! transaction to end, as `INSERT … ON CONFLICT` does).
 //!
+//! A send takes one of two paths, as `handle` chooses: **claim first** (the claim row before the handler:
+//! a duplicate behind an in-process leader, an expired v7 key, an empty new-key bucket) or **record at
+//! commit** (every other first send: the handler writes, then one statement inserts the completed record,
+//! waiting on a concurrent uncommitted record of the key; a live record found there rolls the writes back
+//! and the send is decided again on the claim-first path). The checker lets every send take either path.
+//!
 //! | action | implemented by |
 //! | --- | --- |
 //! | [`Action::Claim`] | `IdempotencyRepository::claim` (`adapters-postgres/src/repos.rs`), then `idem_domain::idempotency::decide` |
+//! | [`Action::Execute`] | `execute` on the record-at-commit path: the handler's writes, no record yet |
+//! | [`Action::Record`] | `IdempotencyRepository::insert_completed` (the completed record in the handler's transaction; on a live record, rollback and the claim-first path) |
 //! | [`Action::LockTimeout`] | the `lock_timeout` set inside `claim`; `handle` answers 409 `request-in-flight` |
 //! | [`Action::Handler`] | the inner service called by `execute` (the business writes, in the claim's transaction) |
 //! | [`Action::Complete`] | `IdempotencyRepository::complete` |
@@ -37,13 +45,20 @@ pub type Request = u8;
 /// The protocol checked, or a deliberately broken variant of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum HttpVariant {
-    /// idem: the record is claimed, completed and committed in the transaction of the business writes.
+    /// idem: the record is written in the transaction of the business writes, either claimed first and
+    /// completed, or inserted completed at commit.
     Idem,
     /// The seed article's middleware shape: look the key up, run the handler in its own transaction, then
     /// write the record (an upsert) in another transaction after the handler.
     SeedMiddleware,
     /// Records keyed by the key alone, without the scope.
     UnscopedRecord,
+    /// Record at commit that overwrites a live record instead of deferring to it (an upsert without the
+    /// expiry condition): the handler's writes commit although the key was taken.
+    RecordOverLiveRecord,
+    /// Record at commit that does not wait for a concurrent uncommitted record (a read, then a plain
+    /// insert into a table without the unique key): two first sends both commit.
+    RecordWithoutWaiting,
 }
 
 /// One client: a scope, a request, and how many times it sends it (its retries reuse the key).
@@ -106,6 +121,12 @@ pub enum Phase {
     Waiting,
     /// Holds the claim (idem: an uncommitted in-flight record and the row lock).
     Claimed,
+    /// Record at commit: the handler wrote its effect (uncommitted), no record and no lock yet.
+    WroteUnclaimed,
+    /// Record at commit: the record's insert waits for another transaction's row lock.
+    RecordWaiting,
+    /// Record at commit found a live record: its writes rolled back, the send is decided again claim-first.
+    Redecide,
     /// The handler wrote its effect (uncommitted in idem).
     Wrote,
     /// idem: the record is completed in the open transaction. Seed: the handler's transaction committed.
@@ -121,6 +142,8 @@ pub struct ClientState {
     pub phase: Phase,
     /// Which send (0-based).
     pub attempt: u8,
+    /// The send took the record-at-commit path.
+    pub at_commit: bool,
 }
 
 /// What a client was answered with an effect in it: executed (first answer) or replayed.
@@ -153,6 +176,9 @@ pub struct HttpState {
     pub answers: Vec<Answer>,
     /// Expiries so far, per slot.
     pub expiries: BTreeMap<Scope, u8>,
+    /// Paths reached (for the "sometimes" properties): bit 0, a send recorded at commit committed; bit 1, a
+    /// send recorded at commit found a live record and was decided again.
+    pub paths: u8,
 }
 
 /// The steps; each names the client (or the scope) it acts on.
@@ -160,6 +186,10 @@ pub struct HttpState {
 pub enum Action {
     /// `IdempotencyRepository::claim` + `decide` for a client.
     Claim(u8),
+    /// Record at commit: the handler runs before any record exists.
+    Execute(u8),
+    /// Record at commit: the completed record's insert (or the rollback on a live record).
+    Record(u8),
     /// The claim's lock wait timed out (409 in flight).
     LockTimeout(u8),
     /// The handler's business writes.
@@ -193,6 +223,14 @@ impl ClaimProtocol {
         }
     }
 
+    /// Whether sends may take the record-at-commit path (idem and its broken record-at-commit variants).
+    fn records_at_commit(&self) -> bool {
+        matches!(
+            self.variant,
+            HttpVariant::Idem | HttpVariant::RecordOverLiveRecord | HttpVariant::RecordWithoutWaiting
+        )
+    }
+
     fn slot(&self, c: u8) -> Scope {
         match self.variant {
             HttpVariant::UnscopedRecord => 0,
@@ -207,6 +245,7 @@ impl ClaimProtocol {
     /// The client's attempt ended without an answer it keeps: it retries if it has sends left.
     fn retry_or_stop(&self, state: &mut HttpState, c: u8) {
         let client = &mut state.clients[c as usize];
+        client.at_commit = false;
         if client.attempt + 1 < self.attempts {
             client.attempt += 1;
             client.phase = Phase::Ready;
@@ -252,6 +291,28 @@ impl ClaimProtocol {
         }
     }
 
+    /// Record at commit: insert the completed record unless a live one exists; wait for another
+    /// transaction's uncommitted record of the slot.
+    fn record(&self, state: &mut HttpState, c: u8) {
+        let slot = self.slot(c);
+        if self.variant != HttpVariant::RecordWithoutWaiting && state.locks.get(&slot).is_some_and(|h| *h != c) {
+            state.clients[c as usize].phase = Phase::RecordWaiting;
+            return;
+        }
+        let live = state.records.get(&slot).is_some_and(|r| !r.expired);
+        if live && self.variant != HttpVariant::RecordOverLiveRecord {
+            // ON CONFLICT without the expiry condition: nothing inserted; the unit rolls back
+            state.clients[c as usize].phase = Phase::Redecide;
+            state.clients[c as usize].at_commit = false;
+            state.paths |= 2;
+            return;
+        }
+        if self.variant != HttpVariant::RecordWithoutWaiting {
+            state.locks.insert(slot, c);
+        }
+        state.clients[c as usize].phase = Phase::Completed;
+    }
+
     /// The business writes and the record become visible together (idem), or one after the other (seed).
     fn commit(&self, state: &mut HttpState, c: u8) {
         let slot = self.slot(c);
@@ -259,12 +320,17 @@ impl ClaimProtocol {
         let effect = Self::effect(state, c);
         let epoch = state.epoch.get(&scope).copied().unwrap_or(0);
         state.effects.push((scope, epoch, effect));
+        if state.clients[c as usize].at_commit {
+            state.paths |= 1;
+        }
         match self.variant {
             HttpVariant::SeedMiddleware => state.clients[c as usize].phase = Phase::Completed,
             _ => {
                 let request = self.clients[c as usize].request;
                 state.records.insert(slot, Record { request, state: RecordState::Completed(effect), expired: false });
-                state.locks.remove(&slot);
+                if state.locks.get(&slot) == Some(&c) {
+                    state.locks.remove(&slot);
+                }
                 Self::answer(state, c, scope, effect, false);
             }
         }
@@ -314,9 +380,14 @@ impl Model for ClaimProtocol {
             epoch: BTreeMap::new(),
             locks: BTreeMap::new(),
             effects: Vec::new(),
-            clients: self.clients.iter().map(|_| ClientState { phase: Phase::Ready, attempt: 0 }).collect(),
+            clients: self
+                .clients
+                .iter()
+                .map(|_| ClientState { phase: Phase::Ready, attempt: 0, at_commit: false })
+                .collect(),
             answers: Vec::new(),
             expiries: BTreeMap::new(),
+            paths: 0,
         }]
     }
 
@@ -325,7 +396,20 @@ impl Model for ClaimProtocol {
             let c = i as u8;
             let slot = self.slot(c);
             match client.phase {
-                Phase::Ready => actions.push(Action::Claim(c)),
+                Phase::Ready => {
+                    actions.push(Action::Claim(c));
+                    if self.records_at_commit() {
+                        actions.push(Action::Execute(c));
+                    }
+                }
+                Phase::Redecide => actions.push(Action::Claim(c)),
+                Phase::WroteUnclaimed => actions.push(Action::Record(c)),
+                Phase::RecordWaiting => {
+                    if !state.locks.contains_key(&slot) {
+                        actions.push(Action::Record(c));
+                    }
+                    actions.push(Action::LockTimeout(c));
+                }
                 Phase::Waiting => {
                     if !state.locks.contains_key(&slot) {
                         actions.push(Action::Claim(c));
@@ -343,7 +427,16 @@ impl Model for ClaimProtocol {
                 },
                 Phase::Done => {}
             }
-            if matches!(client.phase, Phase::Waiting | Phase::Claimed | Phase::Wrote | Phase::Completed) {
+            if matches!(
+                client.phase,
+                Phase::Waiting
+                    | Phase::Claimed
+                    | Phase::Wrote
+                    | Phase::Completed
+                    | Phase::WroteUnclaimed
+                    | Phase::RecordWaiting
+                    | Phase::Redecide
+            ) {
                 actions.push(Action::Crash(c));
             }
         }
@@ -364,6 +457,11 @@ impl Model for ClaimProtocol {
         let mut state = last.clone();
         match action {
             Action::Claim(c) => self.claim(&mut state, c),
+            Action::Execute(c) => {
+                state.clients[c as usize].phase = Phase::WroteUnclaimed;
+                state.clients[c as usize].at_commit = true;
+            }
+            Action::Record(c) => self.record(&mut state, c),
             Action::LockTimeout(c) => self.retry_or_stop(&mut state, c),
             Action::Handler(c) => state.clients[c as usize].phase = Phase::Wrote,
             Action::Complete(c) => match self.variant {
@@ -439,6 +537,10 @@ impl Model for ClaimProtocol {
             Property::sometimes("a request is replayed", |_, s: &HttpState| s.answers.iter().any(|a| a.replayed)),
             Property::sometimes("an expired key executes again", |_, s: &HttpState| {
                 s.effects.iter().any(|(_, epoch, _)| *epoch > 0)
+            }),
+            Property::sometimes("a send recorded at commit commits", |_, s: &HttpState| s.paths & 1 != 0),
+            Property::sometimes("a send recorded at commit defers to a live record", |_, s: &HttpState| {
+                s.paths & 2 != 0
             }),
             Property::sometimes("a crashed request is retried and executes", |_, s: &HttpState| {
                 s.effects.iter().any(|(_, _, e)| e.attempt > 0)

@@ -52,6 +52,12 @@ fn the_seed_middleware_shape_breaks_the_claim_invariants() {
 }
 
 #[test]
+fn a_record_at_commit_that_overwrites_or_does_not_wait_executes_twice() {
+    violated(ClaimProtocol::standard(HttpVariant::RecordOverLiveRecord), http_claim::AT_MOST_ONE_EFFECT);
+    violated(ClaimProtocol::standard(HttpVariant::RecordWithoutWaiting), http_claim::AT_MOST_ONE_EFFECT);
+}
+
+#[test]
 fn records_without_their_scope_replay_across_merchants() {
     violated(ClaimProtocol::standard(HttpVariant::UnscopedRecord), http_claim::NO_REPLAY_ACROSS_SCOPES);
 }

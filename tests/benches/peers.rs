@@ -12,9 +12,13 @@
 //! - **Inbox**: idem's consumer (processed_event in the business transaction) against the same library's
 //!   inbox (kafkajs consumer storing into its inbox table, polling listener applying), see [`inbox`].
 //!
+//! - **Profile** (BENCH_PEER_PARTS=profile, not by default): where PostgreSQL's work per charge goes, see
+//!   [`profile`].
+//!
 //! Settings: PEER_AXUM_BIN (.local/peers/target/release/peer-axum-idempotent), PEER_OUTBOX_DIR
 //! (.local/peers/outbox), IDEM_BIN, DATABASE_URL, KAFKA_BROKERS, BENCH_PEER_PARTS
-//! (http,guarantees,outbox,inbox).
+//! (http,guarantees,outbox,inbox), BENCH_PEER_LAYOUTS (shared,per-client), BENCH_PEER_RELAY (idle; `on`
+//! runs idem's relay during the HTTP part), BENCH_IDEM_BEFORE (an older `idem` binary measured alongside).
 
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::disallowed_methods)]
 
@@ -64,12 +68,22 @@ async fn sessions(base: &str, n: usize) -> anyhow::Result<Vec<String>> {
     Ok(cookies)
 }
 
-/// idem's service on `db`, its merchant limit at `clients` (one merchant drives every client: its limit
-/// must not be what is measured).
+/// idem's service `bin` on `db` and `port`, its merchant limit at `clients` (one merchant drives every
+/// client: its limit must not be what is measured). Its relay idles unless BENCH_PEER_RELAY=on: the peer
+/// publishes nothing, so like for like both write the payment and its outbox row and neither publishes.
+async fn start_idem_bin(bin: &str, db: &str, port: u16, clients: usize) -> anyhow::Result<Service> {
+    let limit = clients.max(16).to_string();
+    let mut env = vec![("MERCHANT_CONCURRENCY", limit.as_str())];
+    if std::env::var("BENCH_PEER_RELAY").as_deref() != Ok("on") {
+        env.extend([("OUTBOX_MIN_CLAIM_INTERVAL", "1h"), ("OUTBOX_POLL_INTERVAL", "1h")]);
+    }
+    start_service_with(bin, db, port, "on", &env).await
+}
+
+/// idem's service (IDEM_BIN) on `db`: see [`start_idem_bin`].
 async fn start_idem(db: &str, clients: usize) -> anyhow::Result<Service> {
     let bin = std::env::var("IDEM_BIN").unwrap_or_else(|_| format!("{ROOT}/target/release/idem"));
-    let limit = clients.max(16).to_string();
-    start_service_with(&bin, db, 18100, "on", &[("MERCHANT_CONCURRENCY", &limit)]).await
+    start_idem_bin(&bin, db, 18100, clients).await
 }
 
 /// The axum-idempotent peer on `db`.
@@ -107,6 +121,22 @@ impl Side {
 
     fn per_op(&self, ms: f64) -> f64 {
         ms / self.latencies.len().max(1) as f64
+    }
+
+    /// One line of the HTTP tables: operations, errors, rate, latencies, CPU per operation.
+    fn print_row(&self, name: &str) {
+        let s = self.summary(name);
+        println!(
+            "{:<40} {:>10} {:>8} {:>10.0} {:>9.2} {:>9.2} {:>14.3} {:>14.3}",
+            name,
+            s.ops,
+            s.errors,
+            s.rate(),
+            s.p50.as_secs_f64() * 1e3,
+            s.p99.as_secs_f64() * 1e3,
+            self.per_op(self.service_ms),
+            self.per_op(self.postgres_ms)
+        );
     }
 }
 
@@ -234,18 +264,7 @@ async fn http_layout(admin: &str, clients: usize, layout: Layout) -> anyhow::Res
         ("idem: replays", &idem_replay),
         ("axum-idempotent: replays", &peer_replay),
     ] {
-        let s = side.summary(name);
-        println!(
-            "{:<40} {:>10} {:>8} {:>10.0} {:>9.2} {:>9.2} {:>14.3} {:>14.3}",
-            name,
-            s.ops,
-            s.errors,
-            s.rate(),
-            s.p50.as_secs_f64() * 1e3,
-            s.p99.as_secs_f64() * 1e3,
-            side.per_op(side.service_ms),
-            side.per_op(side.postgres_ms)
-        );
+        side.print_row(name);
     }
     println!("slices (ops/s): idem new {} | peer new {}", rates(&idem_first.rates), rates(&peer_first.rates));
     println!("slices (ops/s): idem replay {} | peer replay {}", rates(&idem_replay.rates), rates(&peer_replay.rates));
@@ -265,7 +284,60 @@ async fn http_layout(admin: &str, clients: usize, layout: Layout) -> anyhow::Res
         cpu(&idem_replay),
         cpu(&peer_replay)
     );
-    println!("(idem publishes every charge through its relay to the broker meanwhile; the peer publishes nothing)");
+    if layout == Layout::SharedSession
+        && let Ok(bin) = std::env::var("BENCH_IDEM_BEFORE")
+        && !bin.is_empty()
+    {
+        // the peer stopped first: three services' pools would exceed the server's max_connections
+        let Pair { idem, peer, .. } = pair;
+        drop(peer);
+        before_after(admin, &bin, &tag, clients, &idem, &idem_target).await?;
+    }
+    if std::env::var("BENCH_PEER_RELAY").as_deref() == Ok("on") {
+        println!("(idem publishes every charge through its relay to the broker meanwhile; the peer publishes nothing)");
+    } else {
+        println!(
+            "(both write the payment and its outbox row; neither publishes: idem's relay idles, BENCH_PEER_RELAY=on runs it)"
+        );
+    }
+    Ok(())
+}
+
+/// New charges on idem against BENCH_IDEM_BEFORE (an older `idem` binary, its relay set the same way), in
+/// interleaved slices: the cuts before and after in one run.
+async fn before_after(
+    admin: &str,
+    bin: &str,
+    tag: &str,
+    clients: usize,
+    idem: &Service,
+    idem_target: &Target,
+) -> anyhow::Result<()> {
+    let seconds: u64 = env_or("BENCH_SECONDS", 5);
+    let rounds: usize = env_or("BENCH_ROUNDS", 4usize).max(1);
+    let db = migrated(admin, &format!("idem_bench_peers_before_{tag}")).await?;
+    let before = start_idem_bin(bin, &db, 18104, clients).await?;
+    let before_target = Target::idem(&before.base);
+    let fresh = |w: usize, _: usize| (key_of(w), charge_body());
+    let _ = phase_on(&before_target, clients, Duration::from_secs(2), fresh).await;
+    let (mut now, mut then) = (Side::default(), Side::default());
+    for _ in 0..rounds {
+        slice(idem, idem_target, clients, seconds, &mut now, fresh).await;
+        slice(&before, &before_target, clients, seconds, &mut then, fresh).await;
+    }
+    println!("new charges, idem now against BENCH_IDEM_BEFORE, {clients} clients, {rounds} interleaved slices:");
+    for (name, side) in [("idem now", &now), ("idem before", &then)] {
+        side.print_row(name);
+    }
+    println!(
+        "idem now / before at {clients} clients: new charges {:.2}x; PostgreSQL CPU per new charge {:.3} vs {:.3} ms; \
+         slices now {} | before {}",
+        now.summary("").rate() / then.summary("").rate().max(1e-9),
+        now.per_op(now.postgres_ms),
+        then.per_op(then.postgres_ms),
+        rates(&now.rates),
+        rates(&then.rates)
+    );
     Ok(())
 }
 
@@ -476,6 +548,9 @@ async fn main() -> anyhow::Result<()> {
         for clients in std::env::var("BENCH_PEER_CLIENTS").unwrap_or_else(|_| "8 64".into()).split_whitespace() {
             http(&admin, clients.parse()?).await?;
         }
+    }
+    if wanted("profile") {
+        profile::run().await?;
     }
     if wanted("guarantees") {
         guarantees(&admin).await?;
@@ -834,6 +909,252 @@ mod inbox {
             idem_applied == events as i64 && idem_distinct == events as i64,
             "idem applied {idem_applied} rows for {events} events"
         );
+        Ok(())
+    }
+}
+
+/// Where PostgreSQL's work per charge goes, idem against the peer (BENCH_PEER_PARTS=profile): both
+/// services on a private cluster started here with `pg_stat_statements` loaded (the shared server does not
+/// load it), the peer with a session per client, BENCH_PEER_CLIENTS[0] (8) clients, one BENCH_SECONDS (5)
+/// slice of new charges each after a warm-up. Per charge: WAL bytes (`pg_current_wal_lsn`), commits,
+/// tuples written, buffers, PostgreSQL CPU, and each statement's calls, execution time and WAL. With
+/// BENCH_PERF=1 each slice also runs `perf record` on every CPU and prints the PostgreSQL backends' hottest
+/// symbols.
+mod profile {
+    use std::time::Duration;
+
+    use idem_tests::infra::PrivatePostgres;
+    use sqlx::{Connection, Row};
+
+    use super::common::load::{Target, phase_on};
+    use super::common::{self, Service, charge_body, env_or};
+    use super::{key_of, migrated, sessions, start_idem, start_peer};
+
+    /// Counters of one database, read before and after a slice.
+    #[derive(Default, Clone, Copy)]
+    struct Counters {
+        wal: f64,
+        commits: f64,
+        inserted: f64,
+        updated: f64,
+        deleted: f64,
+        hit: f64,
+        read: f64,
+        cpu_ms: f64,
+    }
+
+    async fn counters(admin: &mut sqlx::PgConnection, db: &str) -> anyhow::Result<Counters> {
+        let row = sqlx::query(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8, d.xact_commit::float8,
+                    d.tup_inserted::float8, d.tup_updated::float8, d.tup_deleted::float8,
+                    d.blks_hit::float8, d.blks_read::float8
+             FROM pg_stat_database d WHERE d.datname = $1",
+        )
+        .bind(db)
+        .fetch_one(&mut *admin)
+        .await?;
+        Ok(Counters {
+            wal: row.get(0),
+            commits: row.get(1),
+            inserted: row.get(2),
+            updated: row.get(3),
+            deleted: row.get(4),
+            hit: row.get(5),
+            read: row.get(6),
+            cpu_ms: common::cpu_seconds_of("postgres") * 1000.0,
+        })
+    }
+
+    /// One statement's share of a slice.
+    struct Statement {
+        query: String,
+        calls: f64,
+        exec_ms: f64,
+        wal_bytes: f64,
+        dirtied: f64,
+    }
+
+    async fn statements(conn: &mut sqlx::PgConnection, db: &str) -> anyhow::Result<Vec<Statement>> {
+        let rows = sqlx::query(
+            "SELECT regexp_replace(s.query, '\\s+', ' ', 'g'), s.calls::float8, s.total_exec_time,
+                    s.wal_bytes::float8, s.shared_blks_dirtied::float8
+             FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid
+             WHERE d.datname = $1 ORDER BY s.total_exec_time DESC LIMIT 14",
+        )
+        .bind(db)
+        .fetch_all(&mut *conn)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| Statement {
+                query: r.get(0),
+                calls: r.get(1),
+                exec_ms: r.get(2),
+                wal_bytes: r.get(3),
+                dirtied: r.get(4),
+            })
+            .collect())
+    }
+
+    /// `perf record` on every CPU until stopped; then the report of the `postgres` command's symbols.
+    struct Perf(Option<(std::process::Child, tempfile::NamedTempFile)>);
+
+    impl Perf {
+        fn start() -> Self {
+            if env_or("BENCH_PERF", 0) != 1 {
+                return Self(None);
+            }
+            let Ok(file) = tempfile::NamedTempFile::new() else { return Self(None) };
+            let child = std::process::Command::new("perf")
+                .args(["record", "-a", "-g", "-F", "499", "-q", "-o"])
+                .arg(file.path())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn();
+            Self(child.ok().map(|c| (c, file)))
+        }
+
+        fn report(self) -> String {
+            let Some((child, file)) = self.0 else { return String::new() };
+            let _ = std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status();
+            let _ = child.wait_with_output();
+            let out = std::process::Command::new("perf")
+                .args([
+                    "report",
+                    "--no-children",
+                    "--comm",
+                    "postgres",
+                    "--sort",
+                    "symbol",
+                    "--stdio",
+                    "-g",
+                    "none",
+                    "-i",
+                ])
+                .arg(file.path())
+                .output();
+            let text = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+            text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).take(18).collect::<Vec<_>>().join("\n")
+        }
+    }
+
+    async fn side(
+        name: &str,
+        cluster: &PrivatePostgres,
+        db_name: &str,
+        svc: &Service,
+        target: &Target,
+        clients: usize,
+    ) -> anyhow::Result<()> {
+        let seconds: u64 = env_or("BENCH_SECONDS", 5);
+        let fresh = |w: usize, _: usize| (key_of(w), charge_body());
+        let _ = phase_on(target, clients, Duration::from_secs(2), fresh).await;
+        let mut admin = sqlx::PgConnection::connect(&cluster.url("postgres")).await?;
+        sqlx::query("SELECT pg_stat_statements_reset()").execute(&mut admin).await?;
+        sqlx::query("SELECT pg_stat_reset()")
+            .execute(&mut sqlx::PgConnection::connect(&cluster.url(db_name)).await?)
+            .await?;
+        // a backend flushes its statistics at most once a second, and an idle one after 10 s
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        let hot_of = |db: String| async move {
+            let mut c = sqlx::PgConnection::connect(&db).await?;
+            let v: f64 = sqlx::query_scalar("SELECT coalesce(sum(n_tup_hot_upd), 0)::float8 FROM pg_stat_user_tables")
+                .fetch_one(&mut c)
+                .await?;
+            anyhow::Ok(v)
+        };
+        let before = counters(&mut admin, db_name).await?;
+        let hot0 = hot_of(cluster.url(db_name)).await?;
+        let svc0 = svc.cpu_seconds().unwrap_or(0.0);
+        let perf = Perf::start();
+        let s = phase_on(target, clients, Duration::from_secs(seconds), fresh).await;
+        let hottest = perf.report();
+        tokio::time::sleep(Duration::from_secs(11)).await; // the relay's deletes, the idle backends' flush
+        let svc_ms = (svc.cpu_seconds().unwrap_or(0.0) - svc0) * 1000.0;
+        let after = counters(&mut admin, db_name).await?;
+        let hot = hot_of(cluster.url(db_name)).await? - hot0;
+        let n = s.latencies.len().max(1) as f64;
+        let per = |a: f64, b: f64| (a - b) / n;
+        println!();
+        println!(
+            "{name}: {} charges in {:.1} s ({:.0}/s), {} errors, {clients} clients",
+            s.latencies.len(),
+            s.elapsed.as_secs_f64(),
+            n / s.elapsed.as_secs_f64().max(1e-9),
+            s.errors
+        );
+        println!(
+            "  per charge: PostgreSQL CPU {:.3} ms, service CPU {:.3} ms, WAL {:.0} bytes, commits {:.2}, tuples \
+             inserted {:.2} / updated {:.2} (HOT {:.2}) / deleted {:.2}, buffers hit {:.1} / read {:.2}",
+            per(after.cpu_ms, before.cpu_ms),
+            svc_ms / n,
+            per(after.wal, before.wal),
+            per(after.commits, before.commits),
+            per(after.inserted, before.inserted),
+            per(after.updated, before.updated),
+            hot / n,
+            per(after.deleted, before.deleted),
+            per(after.hit, before.hit),
+            per(after.read, before.read),
+        );
+        println!("  {:>8} {:>10} {:>10} {:>9}  statement", "calls", "exec µs", "WAL bytes", "dirtied");
+        for st in statements(&mut admin, db_name).await? {
+            let q: String = st.query.chars().take(110).collect();
+            println!(
+                "  {:>8.2} {:>10.1} {:>10.0} {:>9.3}  {q}",
+                st.calls / n,
+                st.exec_ms * 1000.0 / n,
+                st.wal_bytes / n,
+                st.dirtied / n
+            );
+        }
+        if !hottest.is_empty() {
+            println!("  perf, the postgres processes' hottest symbols (self time):\n{hottest}");
+        }
+        Ok(())
+    }
+
+    pub async fn run() -> anyhow::Result<()> {
+        let clients: usize = std::env::var("BENCH_PEER_CLIENTS")
+            .ok()
+            .and_then(|c| c.split_whitespace().next().and_then(|c| c.parse().ok()))
+            .unwrap_or(8);
+        let cluster = PrivatePostgres::start(
+            "shared_preload_libraries = 'pg_stat_statements'\npg_stat_statements.track = 'all'\n\
+             max_connections = 200\n",
+        )
+        .await?;
+        let admin = cluster.url("postgres");
+        let idem_db = migrated(&admin, "idem_profile_idem").await?;
+        let peer_db = migrated(&admin, "idem_profile_axum").await?;
+        sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            .execute(&mut sqlx::PgConnection::connect(&admin).await?)
+            .await?;
+        let idem = start_idem(&idem_db, clients).await?;
+        let peer = start_peer(&peer_db).await?;
+        let peer_target =
+            Target { addr: "127.0.0.1:18102".into(), bearer: None, cookies: sessions(&peer.base, clients).await? };
+        println!();
+        println!(
+            "Profile of new charges on a private cluster with pg_stat_statements (the peer: a session per client):"
+        );
+        if let Ok(bin) = std::env::var("BENCH_IDEM_BEFORE")
+            && !bin.is_empty()
+        {
+            let db = migrated(&admin, "idem_profile_before").await?;
+            let before = super::start_idem_bin(&bin, &db, 18104, clients).await?;
+            side(
+                "idem before (BENCH_IDEM_BEFORE)",
+                &cluster,
+                "idem_profile_before",
+                &before,
+                &Target::idem(&before.base),
+                clients,
+            )
+            .await?;
+        }
+        side("idem", &cluster, "idem_profile_idem", &idem, &Target::idem(&idem.base), clients).await?;
+        side("axum-idempotent", &cluster, "idem_profile_axum", &peer, &peer_target, clients).await?;
         Ok(())
     }
 }

@@ -16,8 +16,28 @@ fn attempt_column(attempt: u32) -> Result<i32, StoreError> {
     i32::try_from(attempt).map_err(|_| StoreError::Other("attempt out of range".into()))
 }
 
+/// A response's status and headers as their columns hold them.
+fn response_columns(response: &StoredResponse) -> Result<(i16, serde_json::Value), StoreError> {
+    let headers = serde_json::to_value(&response.headers)
+        .map_err(|e| StoreError::Other(format!("headers not serializable: {e}")))?;
+    let status =
+        i16::try_from(response.status_code).map_err(|_| StoreError::Other("status code out of range".into()))?;
+    Ok((status, headers))
+}
+
 fn duration_ms(wait: Duration) -> String {
     format!("{}ms", wait.as_millis().max(1))
+}
+
+impl PgUnitOfWork {
+    /// The live record a claim or an insert at commit found in its way (committed: the conflict waited for
+    /// its transaction, and this new statement sees it under READ COMMITTED).
+    async fn existing(&mut self, c: &IdempotencyClaim) -> Result<ClaimOutcome, StoreError> {
+        match IdempotencyRepository::get(self, &c.scope, &c.key).await? {
+            Some(existing) => Ok(ClaimOutcome::Existing(existing)),
+            None => Err(StoreError::Retryable("conflicting idempotency record vanished".into())),
+        }
+    }
 }
 
 #[async_trait]
@@ -53,20 +73,11 @@ impl IdempotencyRepository for PgUnitOfWork {
         .fetch_optional(self.db())
         .await
         .map_err(|e| self.failed(e))?;
-        if claimed.is_some() {
-            return Ok(ClaimOutcome::Claimed);
-        }
-        match IdempotencyRepository::get(self, &c.scope, &c.key).await? {
-            Some(existing) => Ok(ClaimOutcome::Existing(existing)),
-            None => Err(StoreError::Retryable("conflicting idempotency record vanished".into())),
-        }
+        if claimed.is_some() { Ok(ClaimOutcome::Claimed) } else { self.existing(c).await }
     }
 
     async fn complete(&mut self, scope: &str, key: &str, response: &StoredResponse) -> Result<(), StoreError> {
-        let headers = serde_json::to_value(&response.headers)
-            .map_err(|e| StoreError::Other(format!("headers not serializable: {e}")))?;
-        let status =
-            i16::try_from(response.status_code).map_err(|_| StoreError::Other("status code out of range".into()))?;
+        let (status, headers) = response_columns(response)?;
         let done = sqlx::query!(
             r#"UPDATE idempotency_record
                SET state = 'completed', status_code = $3, response_headers = $4, response_body = $5,
@@ -85,6 +96,49 @@ impl IdempotencyRepository for PgUnitOfWork {
         .await
         .map_err(|e| self.failed(e))?;
         if done.rows_affected() == 1 { Ok(()) } else { Err(StoreError::NotFound) }
+    }
+
+    async fn insert_completed(
+        &mut self,
+        c: &IdempotencyClaim,
+        response: &StoredResponse,
+        now: DateTime<Utc>,
+        wait: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let (status, headers) = response_columns(response)?;
+        // One statement, one tuple: the record written once, completed, where `claim` + `complete` write
+        // it twice (the second a non-HOT update: `state` is in the held-records index's predicate). The
+        // lock wait on a concurrent uncommitted record is bounded as in `claim`; an expired record is
+        // replaced under the same condition, its phase columns cleared.
+        let inserted = sqlx::query_scalar!(
+            r#"INSERT INTO idempotency_record AS r (scope, key, command_hash, state, status_code, response_headers,
+                                                 response_body, created_at, expires_at)
+               SELECT $1, $2, $3, 'completed', $8, $9, $10, $4, $5
+               FROM (SELECT set_config('lock_timeout', $7, true)) AS bounded_wait
+               ON CONFLICT (scope, key) DO UPDATE
+                   SET command_hash = EXCLUDED.command_hash, state = 'completed',
+                       status_code = EXCLUDED.status_code, response_headers = EXCLUDED.response_headers,
+                       response_body = EXCLUDED.response_body, created_at = EXCLUDED.created_at,
+                       expires_at = EXCLUDED.expires_at, lease_until = NULL, recovery_point = NULL,
+                       request_method = NULL, request_uri = NULL, request_content_type = NULL,
+                       request_body = NULL, parked_at = NULL, parked_reason = NULL
+                   WHERE r.expires_at <= $6 AND (r.state = 'completed' OR r.lease_until IS NULL)
+               RETURNING set_config('lock_timeout', NULL, true) IS NOT NULL AS "reset!""#,
+            c.scope,
+            c.key,
+            &c.command_hash[..],
+            c.created_at,
+            c.expires_at,
+            now,
+            duration_ms(wait),
+            status,
+            headers,
+            response.body,
+        )
+        .fetch_optional(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        if inserted.is_some() { Ok(ClaimOutcome::Claimed) } else { self.existing(c).await }
     }
 
     async fn get(&mut self, scope: &str, key: &str) -> Result<Option<IdempotencyRecord>, StoreError> {

@@ -16,7 +16,7 @@ pub const SHARDS_PER_CLAIM: i64 = OUTBOX_KEY_SHARDS / 4;
 /// The trace context stored with a row (and sent with its message): the current span's when tracing is on
 /// (the request or the consumed event that wrote it, itself a child of its client's), else the client's
 /// `traceparent` the use case carried.
-fn trace_headers(m: &NewOutboxMessage, current: &[(String, String)]) -> serde_json::Value {
+pub(crate) fn trace_headers(m: &NewOutboxMessage, current: &[(String, String)]) -> serde_json::Value {
     let mut headers = serde_json::Map::new();
     if current.is_empty() {
         if let Some(tp) = &m.traceparent {

@@ -3,8 +3,8 @@
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use idem_ports::{
-    NewPayment, NewPendingPayment, NewRefund, PaymentInsert, PaymentRecord, PaymentRepository, PaymentStatus,
-    ProjectionRepository, RefundRecord, StoreError,
+    NewOutboxMessage, NewPayment, NewPendingPayment, NewRefund, PaymentInsert, PaymentRecord, PaymentRepository,
+    PaymentStatus, ProjectionRepository, RefundRecord, StoreError,
 };
 use rust_decimal::Decimal;
 use uuid::Uuid;
@@ -49,6 +49,68 @@ impl TryFrom<PaymentRow> for PaymentRecord {
 
 fn record(row: Option<PaymentRow>) -> Result<Option<PaymentRecord>, StoreError> {
     row.map(PaymentRecord::try_from).transpose()
+}
+
+impl PgUnitOfWork {
+    /// `PaymentUnitOfWork::insert_announced` in one statement: the payment's insert and, only for a new
+    /// payment, its announcement's (a data-modifying CTE reading the insert's RETURNING); an existing
+    /// payment is read as `insert_or_get` does.
+    pub(crate) async fn insert_announced_pg(
+        &mut self,
+        p: &NewPayment,
+        m: &NewOutboxMessage,
+    ) -> Result<PaymentInsert, StoreError> {
+        let headers = super::outbox::trace_headers(m, &idem_ports::trace::current_headers());
+        let inserted = sqlx::query_as!(
+            PaymentRow,
+            r#"WITH inserted AS (
+                   INSERT INTO payment (id, merchant_id, order_id, customer_id, provider, external_payment_id,
+                                        amount, currency, status, created_at, updated_at)
+                   VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $10)
+                   ON CONFLICT (provider, external_payment_id) DO NOTHING
+                   RETURNING id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                             currency, status, refunded_amount, created_at
+               ), announced AS (
+                   INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, headers,
+                                               saga_id, created_at)
+                   SELECT $11, $12, $13, $14, $15, $16, $17, $18, $19 FROM inserted
+               )
+               SELECT id AS "id!", merchant_id AS "merchant_id!", order_id AS "order_id!",
+                      customer_id AS "customer_id!", provider AS "provider!", external_payment_id,
+                      amount AS "amount!", currency AS "currency!", status AS "status!",
+                      refunded_amount AS "refunded_amount!", created_at AS "created_at!"
+               FROM inserted"#,
+            p.id,
+            p.merchant_id,
+            p.order_id,
+            p.customer_id,
+            p.provider,
+            p.external_payment_id,
+            p.amount,
+            p.currency,
+            p.status.as_str(),
+            p.created_at,
+            m.id,
+            m.topic,
+            m.aggregate_type,
+            m.aggregate_id,
+            m.event_type,
+            m.payload,
+            headers,
+            m.saga_id,
+            m.created_at,
+        )
+        .fetch_optional(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        match inserted {
+            Some(row) => {
+                self.wrote_outbox = true;
+                Ok(PaymentInsert::Inserted(row.try_into()?))
+            }
+            None => PaymentRepository::insert_or_get(self, p).await,
+        }
+    }
 }
 
 #[async_trait]

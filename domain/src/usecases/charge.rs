@@ -156,12 +156,28 @@ pub async fn charge_payment(
     cmd: &ChargeCommand,
 ) -> Result<ChargeOutcome, ChargeError> {
     let now = env.clock.now();
-    let insert = uow.payments().insert_or_get(&new_payment(env, cmd, now)).await?;
-    let outcome = classify(cmd, insert)?;
-    if let ChargeOutcome::Created(payment) = &outcome {
-        uow.outbox().enqueue(&captured_message(env, cmd, payment, now)).await?;
+    let payment = new_payment(env, cmd, now);
+    // the announcement of the payment as it will be stored, enqueued only if it is new (one statement)
+    let announcement = captured_message(env, cmd, &as_stored(&payment), now);
+    let insert = uow.insert_announced(&payment, &announcement).await?;
+    classify(cmd, insert)
+}
+
+/// The record of a new payment as the store returns it once inserted.
+fn as_stored(p: &NewPayment) -> PaymentRecord {
+    PaymentRecord {
+        id: p.id,
+        merchant_id: p.merchant_id.clone(),
+        order_id: p.order_id,
+        customer_id: p.customer_id,
+        provider: p.provider.clone(),
+        external_payment_id: Some(p.external_payment_id.clone()),
+        amount: p.amount,
+        currency: p.currency.clone(),
+        status: p.status,
+        refunded_amount: rust_decimal::Decimal::ZERO,
+        created_at: p.created_at,
     }
-    Ok(outcome)
 }
 
 /// [`charge_payment`] for many commands with set-based statements: one insert for the payments, one

@@ -1506,3 +1506,115 @@ async fn a_late_original_is_fenced_out_after_a_takeover() -> anyhow::Result<()> 
     assert_eq!(record.phase.map(|p| p.attempt), Some(2));
     Ok(())
 }
+
+/// Issue 37: a keyed charge claimed its key (an in-flight row), wrote the payment and its outbox row, then
+/// completed the record (a second, non-HOT write of the row: `state` is in the held-records index's
+/// predicate): six round trips. Recorded at commit, the record is written once, completed, and the payment
+/// and its announcement go in one statement: BEGIN, payment + announcement, record, COMMIT. On main before
+/// this change the same count was 6 and the record's tuple was the second one written.
+#[tokio::test]
+async fn a_new_charge_writes_its_record_once_in_four_round_trips() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let (proxy, proxied) = db.proxied().await?;
+    let settings = idem_postgres::PoolSettings { max_connections: 1, ..Default::default() };
+    let store = PgStore::connect(&proxied, &settings).await?;
+    let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
+    let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), layer_config(StatusCode::CONFLICT));
+    let base = idem_tests::serve(idem_http::router(api_state(&store), keys(), layer)).await?;
+    let api = Api { db, base, http: reqwest::Client::new() };
+    // the first charge prepares the statements on the connection
+    assert_eq!(api.charge(KEY_A, "once-0", &charge_body("ext-once-0", "10.00")).await?.status, 201);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = proxy.flights();
+    let body = charge_body("ext-once-1", "10.00");
+    let charged = api.charge(KEY_A, "once-1", &body).await?;
+    assert_eq!(charged.status, 201, "{:?}", charged.json());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // the unit of work: BEGIN, payment + announcement, record, COMMIT (4; before: 6). The rest is the
+    // cross-instance wake-up of relays, one per charge this far apart (`wakeup.rs`, debounced to 40 a
+    // second under load): sqlx's pool pings on acquire and release around BEGIN, pg_notify, COMMIT (5).
+    assert_eq!(proxy.flights() - before, 4 + 5, "BEGIN, payment + announcement, record, COMMIT, then the NOTIFY");
+    let pool = api.db.pool();
+    let (state, first_tuple): (String, bool) =
+        sqlx::query_as("SELECT state, ctid = '(0,2)'::tid FROM idempotency_record WHERE key = 'once-1'")
+            .fetch_one(pool)
+            .await?;
+    assert_eq!(state, "completed");
+    assert!(first_tuple, "the record of the second charge is the table's second tuple: written once, never updated");
+    let announced: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE payload->>'external_payment_id' = 'ext-once-1'")
+            .fetch_one(pool)
+            .await?;
+    assert_eq!(announced, 1, "the new payment is announced once");
+    // a charge that finds its payment (same provider id, new key) is answered 200 and announces nothing
+    let again = api.charge(KEY_A, "once-2", &body).await?;
+    assert_eq!(again.status, 200, "{:?}", again.json());
+    let announced: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_message WHERE payload->>'external_payment_id' = 'ext-once-1'")
+            .fetch_one(pool)
+            .await?;
+    assert_eq!(announced, 1, "an existing payment is not announced again");
+    Ok(())
+}
+
+/// Issue 37: recorded at commit, a duplicate on another instance runs its handler before any record
+/// exists. Two instances (two layers, two pools, one database) each get concurrent duplicates of one key
+/// whose handler is not idempotent on its own (it inserts a row without any key, then waits 200 ms in the
+/// transaction so the duplicates overlap). Effects are counted, not survivors: more than one execution
+/// runs, exactly one row commits, and every answer is that execution's (201 executed or replayed).
+#[tokio::test]
+async fn duplicates_on_two_instances_recorded_at_commit_commit_one_effect() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    sqlx::query("CREATE TABLE effect (id bigserial PRIMARY KEY, note text NOT NULL)").execute(db.pool()).await?;
+    let executions = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let instance = |n: usize| {
+        let (executions, url) = (executions.clone(), db.url.clone());
+        async move {
+            let store = PgStore::connect(&url, &idem_postgres::PoolSettings::default()).await?;
+            let tm: Arc<dyn TransactionManager> = Arc::new(store);
+            let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), layer_config(StatusCode::CONFLICT));
+            let handler = move |mut tx: Tx| {
+                let executions = executions.clone();
+                async move {
+                    let run = executions.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let conn =
+                        idem_postgres::PgUnitOfWork::of(tx.uow()).map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+                    sqlx::query("INSERT INTO effect (note) VALUES ($1)")
+                        .bind(format!("instance {n} run {run}"))
+                        .execute(conn.connection())
+                        .await
+                        .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    Ok::<_, StatusCode>((StatusCode::CREATED, format!("run {run}")))
+                }
+            };
+            let router =
+                as_merchant_a(axum::Router::new().route("/op", axum::routing::post(handler)).route_layer(layer));
+            idem_tests::serve(router).await
+        }
+    };
+    let bases = [instance(1).await?, instance(2).await?];
+    let http = reqwest::Client::new();
+    let replies = futures::future::join_all((0..8).map(|i| {
+        let req = http.post(format!("{}/op", bases[i % 2])).header("idempotency-key", "dup-1").body("{}");
+        async move {
+            let r = req.send().await?;
+            anyhow::Ok((r.status().as_u16(), r.text().await?))
+        }
+    }))
+    .await
+    .into_iter()
+    .collect::<anyhow::Result<Vec<_>>>()?;
+    let effects: Vec<String> = sqlx::query_scalar("SELECT note FROM effect").fetch_all(db.pool()).await?;
+    assert_eq!(effects.len(), 1, "one effect commits: {effects:?}");
+    assert!(
+        executions.load(std::sync::atomic::Ordering::SeqCst) >= 2,
+        "both instances ran the handler (the duplicate recorded at commit ran before the record existed)"
+    );
+    let first = effects[0].rsplit(' ').next().unwrap_or_default().to_owned();
+    for (status, body) in &replies {
+        assert_eq!(*status, 201, "{replies:?}");
+        assert_eq!(body, &format!("run {first}"), "every answer is the committed execution's: {replies:?}");
+    }
+    Ok(())
+}
