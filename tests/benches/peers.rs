@@ -918,8 +918,8 @@ mod inbox {
 /// load it), the peer with a session per client, BENCH_PEER_CLIENTS[0] (8) clients, one BENCH_SECONDS (5)
 /// slice of new charges each after a warm-up. Per charge: WAL bytes (`pg_current_wal_lsn`), commits,
 /// tuples written, buffers, PostgreSQL CPU, and each statement's calls, execution time and WAL. With
-/// BENCH_PERF=1 each slice also runs `perf record` on every CPU and prints the PostgreSQL backends' hottest
-/// symbols.
+/// BENCH_PERF=1 each slice also runs `perf record` on every CPU and prints the hottest symbols of the
+/// PostgreSQL backends and of the service.
 mod profile {
     use std::time::Duration;
 
@@ -1014,27 +1014,26 @@ mod profile {
             Self(child.ok().map(|c| (c, file)))
         }
 
-        fn report(self) -> String {
-            let Some((child, file)) = self.0 else { return String::new() };
+        /// The hottest symbols of the `postgres` processes, then of the service's process `service`.
+        fn report(self, service: u32) -> (String, String) {
+            let Some((child, file)) = self.0 else { return (String::new(), String::new()) };
             let _ = std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status();
             let _ = child.wait_with_output();
-            let out = std::process::Command::new("perf")
-                .args([
-                    "report",
-                    "--no-children",
-                    "--comm",
-                    "postgres",
-                    "--sort",
-                    "symbol",
-                    "--stdio",
-                    "-g",
-                    "none",
-                    "-i",
-                ])
-                .arg(file.path())
-                .output();
-            let text = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
-            text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).take(18).collect::<Vec<_>>().join("\n")
+            let hottest = |filter: &[&str]| {
+                let out = std::process::Command::new("perf")
+                    .args(["report", "--no-children"])
+                    .args(filter)
+                    .args(["--sort", "symbol", "--stdio", "-g", "none", "-i"])
+                    .arg(file.path())
+                    .output();
+                let text = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+                text.lines()
+                    .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+                    .take(18)
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            };
+            (hottest(&["--comm", "postgres"]), hottest(&["--pid", &service.to_string()]))
         }
     }
 
@@ -1068,7 +1067,7 @@ mod profile {
         let svc0 = svc.cpu_seconds().unwrap_or(0.0);
         let perf = Perf::start();
         let s = phase_on(target, clients, Duration::from_secs(seconds), fresh).await;
-        let hottest = perf.report();
+        let (hottest, service_hottest) = perf.report(svc.pid());
         tokio::time::sleep(Duration::from_secs(11)).await; // the relay's deletes, the idle backends' flush
         let svc_ms = (svc.cpu_seconds().unwrap_or(0.0) - svc0) * 1000.0;
         let after = counters(&mut admin, db_name).await?;
@@ -1110,6 +1109,9 @@ mod profile {
         }
         if !hottest.is_empty() {
             println!("  perf, the postgres processes' hottest symbols (self time):\n{hottest}");
+        }
+        if !service_hottest.is_empty() {
+            println!("  perf, the service's hottest symbols (self time):\n{service_hottest}");
         }
         Ok(())
     }

@@ -144,6 +144,11 @@ impl Service {
         process_cpu_seconds(self.child.id())
     }
 
+    /// The service's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// The value of `metric` (a counter or gauge without labels) on the service's `/metrics`.
     pub async fn metric(&self, metric: &str) -> anyhow::Result<f64> {
         let text = reqwest::get(format!("{}/metrics", self.admin)).await?.text().await?;
