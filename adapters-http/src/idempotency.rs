@@ -891,8 +891,10 @@ where
     // foreign call claims in its first phase (`Tx::foreign_call`). Model: `model/src/http_claim.rs`.
     let mut token_taken = false;
     if config.record_at_commit && !waited && !expired {
-        token_taken = config.new_keys.is_some();
-        if config.new_keys.as_ref().is_none_or(|q| q.take(&claim.scope).is_ok()) {
+        // the send is taken to be new: it takes a token now (one that turns out known keeps it spent)
+        let token = config.new_keys.as_ref().map(|q| q.take(&claim.scope).is_ok());
+        token_taken = token == Some(true);
+        if token != Some(false) {
             let uow = match shared.tm.begin().await {
                 Ok(uow) => uow,
                 Err(e) => return store_failure(&e),
@@ -902,8 +904,6 @@ where
                 Executed::Answer(response) => return response,
                 Executed::KeyTaken => tracing::debug!(key = %claim.key, "key taken meanwhile: decided again"),
             }
-        } else {
-            token_taken = false;
         }
     }
     let answer = |executed: Executed| match executed {
