@@ -59,7 +59,12 @@ impl IdempotencyRepository for PgUnitOfWork {
                ON CONFLICT (scope, key) DO UPDATE
                    SET command_hash = EXCLUDED.command_hash, state = 'in_flight', status_code = NULL,
                        response_headers = NULL, response_body = NULL,
-                       created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
+                       created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at,
+                       -- the row as a fresh claim inserts it (as after the cleaner): the expired request's
+                       -- attempt and lease would refuse this one's first hold as "taken over"
+                       attempt = 0, lease_until = NULL, recovery_point = NULL, request_method = NULL,
+                       request_uri = NULL, request_content_type = NULL, request_body = NULL,
+                       completer_runs = 0, parked_at = NULL, parked_reason = NULL
                    WHERE r.expires_at <= $6 AND (r.state = 'completed' OR r.lease_until IS NULL)
                RETURNING set_config('lock_timeout', NULL, true) IS NOT NULL AS "reset!""#,
             c.scope,
@@ -119,9 +124,10 @@ impl IdempotencyRepository for PgUnitOfWork {
                    SET command_hash = EXCLUDED.command_hash, state = 'completed',
                        status_code = EXCLUDED.status_code, response_headers = EXCLUDED.response_headers,
                        response_body = EXCLUDED.response_body, created_at = EXCLUDED.created_at,
-                       expires_at = EXCLUDED.expires_at, lease_until = NULL, recovery_point = NULL,
-                       request_method = NULL, request_uri = NULL, request_content_type = NULL,
-                       request_body = NULL, parked_at = NULL, parked_reason = NULL
+                       expires_at = EXCLUDED.expires_at, attempt = 0, lease_until = NULL,
+                       recovery_point = NULL, request_method = NULL, request_uri = NULL,
+                       request_content_type = NULL, request_body = NULL, completer_runs = 0, parked_at = NULL,
+                       parked_reason = NULL
                    WHERE r.expires_at <= $6 AND (r.state = 'completed' OR r.lease_until IS NULL)
                RETURNING set_config('lock_timeout', NULL, true) IS NOT NULL AS "reset!""#,
             c.scope,

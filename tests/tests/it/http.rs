@@ -1507,6 +1507,68 @@ async fn a_late_original_is_fenced_out_after_a_takeover() -> anyhow::Result<()> 
     Ok(())
 }
 
+/// A key reused after its record expired (before the cleaner removed it) is claimed again over the old row.
+/// The claim kept the old request's phase columns: after a takeover (attempt 2), the new request's first
+/// hold as attempt 1 was refused ("taken over", 503) on every send until the cleaner ran. A claim over an
+/// expired record now leaves the row as a fresh claim inserts it (as after the cleaner): attempt 0, no
+/// lease, no recovery point, no stored request.
+#[tokio::test]
+async fn a_key_reused_after_its_record_expired_holds_a_lease_again() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let now = chrono::Utc::now();
+    let claim = idem_ports::IdempotencyClaim {
+        scope: "m".into(),
+        key: "reused".into(),
+        command_hash: [7; 32],
+        created_at: now,
+        expires_at: now + chrono::Duration::hours(48),
+    };
+    let hold = |attempt, lease_until| idem_ports::PhaseHold {
+        attempt,
+        lease_until,
+        recovery_point: "charge".into(),
+        request: Some(idem_ports::StoredRequest {
+            method: "POST".into(),
+            uri: "/op".into(),
+            content_type: None,
+            body: b"{}".to_vec(),
+        }),
+    };
+    let response = idem_ports::StoredResponse { status_code: 201, headers: Vec::new(), body: b"first".to_vec() };
+    // the first request: held by attempt 1, taken over by attempt 2, completed
+    let mut uow = db.store.begin().await?;
+    assert_eq!(uow.idempotency().claim(&claim, now, Duration::from_secs(1)).await?, idem_ports::ClaimOutcome::Claimed);
+    assert!(uow.idempotency().hold("m", "reused", &hold(1, now - chrono::Duration::seconds(1))).await?);
+    uow.commit().await?;
+    let mut uow = db.store.begin().await?;
+    assert!(uow.idempotency().take_over("m", "reused", 1, now + chrono::Duration::seconds(30), now).await?);
+    uow.idempotency().complete("m", "reused", &response).await?;
+    uow.commit().await?;
+    // its retention ends; the cleaner has not come yet
+    sqlx::query("UPDATE idempotency_record SET expires_at = now() - interval '1 minute' WHERE key = 'reused'")
+        .execute(db.pool())
+        .await?;
+    // the key sent again: claimed over the expired row, and its foreign call holds the record as attempt 1
+    let later = chrono::Utc::now();
+    let again =
+        idem_ports::IdempotencyClaim { created_at: later, expires_at: later + chrono::Duration::hours(48), ..claim };
+    let mut uow = db.store.begin().await?;
+    assert_eq!(
+        uow.idempotency().claim(&again, later, Duration::from_secs(1)).await?,
+        idem_ports::ClaimOutcome::Claimed
+    );
+    let claimed_row: (i32, Option<chrono::DateTime<chrono::Utc>>, Option<Vec<u8>>) =
+        sqlx::query_as("SELECT attempt, lease_until, request_body FROM idempotency_record WHERE key = 'reused'")
+            .fetch_one(idem_postgres::PgUnitOfWork::of(uow.as_mut())?.connection())
+            .await?;
+    assert!(
+        uow.idempotency().hold("m", "reused", &hold(1, later + chrono::Duration::seconds(30))).await?,
+        "the new request's first hold was refused as if another attempt had taken it over"
+    );
+    assert!(uow.idempotency().owns("m", "reused", 1).await?);
+    assert_eq!(claimed_row, (0, None, None), "the claimed row is a fresh claim's (attempt, lease, stored request)");
+    Ok(())
+}
 /// Issue 37: a keyed charge claimed its key (an in-flight row), wrote the payment and its outbox row, then
 /// completed the record (a second, non-HOT write of the row: `state` is in the held-records index's
 /// predicate): six round trips. Recorded at commit, the record is written once, completed, and the payment
