@@ -403,8 +403,6 @@ struct PhaseContext {
     tm: Arc<dyn TransactionManager>,
     clock: Arc<dyn Clock>,
     lease: Duration,
-    scope: String,
-    key: String,
     /// This execution's attempt (1, or one more than the attempt it took over).
     attempt: u32,
     /// The recovery point a taken-over record had reached.
@@ -496,7 +494,7 @@ impl Tx {
     /// takeover, the completer — names the same row, so a resumed attempt finds what the first one wrote.
     /// `None` without an `Idempotency-Key`.
     pub fn intent_id(&self, name: &str) -> Option<uuid::Uuid> {
-        self.1.as_ref().map(|p| idem_domain::phases::intent_id(&p.scope, &p.key, name))
+        self.1.as_ref().map(|p| idem_domain::phases::intent_id(&p.claim.scope, &p.claim.key, name))
     }
 
     /// Ends the first phase before a call to another system (a payment provider, an email, another
@@ -532,7 +530,7 @@ impl Tx {
         }
         // the first hold keeps the request, so the completer can finish it if this process dies
         let first_hold = PhaseHold { request: Some(ctx.stored_request()), ..ctx.hold(step) };
-        match uow.idempotency().hold(&ctx.scope, &ctx.key, &first_hold).await {
+        match uow.idempotency().hold(&ctx.claim.scope, &ctx.claim.key, &first_hold).await {
             Ok(true) => {}
             Ok(false) => return Err(taken_over()),
             Err(e) => return Err(phase_store_problem(&e)),
@@ -552,7 +550,7 @@ impl Tx {
                 let hold = renewer.hold(&step_name);
                 let renewed = async {
                     let mut uow = renewer.tm.begin().await?;
-                    let held = uow.idempotency().hold(&renewer.scope, &renewer.key, &hold).await?;
+                    let held = uow.idempotency().hold(&renewer.claim.scope, &renewer.claim.key, &hold).await?;
                     uow.commit().await?;
                     Ok::<_, StoreError>(held)
                 };
@@ -564,7 +562,7 @@ impl Tx {
             }
         });
         Ok(ForeignCall {
-            key: idem_domain::phases::downstream_key(&ctx.scope, &ctx.key, step),
+            key: idem_domain::phases::downstream_key(&ctx.claim.scope, &ctx.claim.key, step),
             step: step.to_owned(),
             renewal,
             span: if idem_ports::trace::current_sampled() {
@@ -588,7 +586,7 @@ impl Tx {
                 PhaseHold { attempt: ctx.attempt, lease_until: ctx.clock.now(), recovery_point: step, request: None };
             let released = async {
                 let mut uow = ctx.tm.begin().await?;
-                uow.idempotency().hold(&ctx.scope, &ctx.key, &hold).await?;
+                uow.idempotency().hold(&ctx.claim.scope, &ctx.claim.key, &hold).await?;
                 uow.commit().await
             };
             if let Err(e) = released.await {
@@ -625,7 +623,7 @@ impl Tx {
             return Err(Problem::new(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR));
         };
         let mut uow = ctx.tm.begin().await.map_err(|e| phase_store_problem(&e))?;
-        match uow.idempotency().owns(&ctx.scope, &ctx.key, ctx.attempt).await {
+        match uow.idempotency().owns(&ctx.claim.scope, &ctx.claim.key, ctx.attempt).await {
             Ok(true) => {
                 *self.0 = Some(uow);
                 Ok(())
@@ -637,9 +635,9 @@ impl Tx {
 }
 
 impl PhaseContext {
-    /// What is left of the request's wait budget for a lock wait on the key (at least 100 ms).
+    /// What is left of the request's wait budget for a lock wait on the key.
     fn claim_wait(&self) -> Duration {
-        self.deadline.saturating_duration_since(tokio::time::Instant::now()).max(Duration::from_millis(100))
+        wait_left(self.deadline)
     }
 
     /// The request as the completer re-sends it.
@@ -919,7 +917,7 @@ where
         );
         tagged(problem.into_response(), "rejected_input")
     };
-    let claim_wait = deadline.saturating_duration_since(tokio::time::Instant::now()).max(Duration::from_millis(100));
+    let claim_wait = wait_left(deadline);
     let mut uow = match shared.tm.begin().await {
         Ok(uow) => uow,
         Err(e) => return store_failure(&e),
@@ -991,6 +989,12 @@ layer_problem(ProblemKind::IdempotencyKeyReused, config.conflict_status)
     }
 }
 
+/// What is left of a request's wait budget ending at `deadline`, for a lock wait on its key: at least
+/// 100 ms, so a claim made late still waits for a concurrent transaction to end.
+fn wait_left(deadline: tokio::time::Instant) -> Duration {
+    deadline.saturating_duration_since(tokio::time::Instant::now()).max(Duration::from_millis(100))
+}
+
 /// One execution of a keyed request: its claim, attempt and recovery point, and whether the claim row is
 /// already its own (claim first) or is inserted completed at the end (record at commit).
 struct Run {
@@ -1027,8 +1031,6 @@ where
             tm: shared.tm.clone(),
             clock: shared.clock.clone(),
             lease: shared.config.lease,
-            scope: run.claim.scope.clone(),
-            key: run.claim.key.clone(),
             attempt: run.attempt,
             resume_at: run.resume_at,
             entered: std::sync::atomic::AtomicBool::new(false),

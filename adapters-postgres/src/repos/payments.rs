@@ -108,7 +108,27 @@ impl PgUnitOfWork {
                 self.wrote_outbox = true;
                 Ok(PaymentInsert::Inserted(row.try_into()?))
             }
-            None => PaymentRepository::insert_or_get(self, p).await,
+            None => self.existing_payment(p).await,
+        }
+    }
+
+    /// The committed payment a `(provider, external_payment_id)` insert conflicted with (`ON CONFLICT`
+    /// waited for its transaction, and this new statement sees it under READ COMMITTED).
+    async fn existing_payment(&mut self, p: &NewPayment) -> Result<PaymentInsert, StoreError> {
+        let existing = sqlx::query_as!(
+            PaymentRow,
+            r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                      currency AS "currency!", status, refunded_amount, created_at
+               FROM payment WHERE provider = $1 AND external_payment_id = $2"#,
+            p.provider,
+            p.external_payment_id,
+        )
+        .fetch_optional(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        match record(existing)? {
+            Some(p) => Ok(PaymentInsert::Existing(p)),
+            None => Err(StoreError::Retryable("conflicting payment vanished".into())),
         }
     }
 }
@@ -163,25 +183,9 @@ impl PaymentRepository for PgUnitOfWork {
         .fetch_optional(self.db())
         .await
         .map_err(|e| self.failed(e))?;
-        if let Some(row) = inserted {
-            return Ok(PaymentInsert::Inserted(row.try_into()?));
-        }
-        // The conflicting row is committed (ON CONFLICT waited for its transaction), and this new statement
-        // sees it under READ COMMITTED.
-        let existing = sqlx::query_as!(
-            PaymentRow,
-            r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
-                      currency AS "currency!", status, refunded_amount, created_at
-               FROM payment WHERE provider = $1 AND external_payment_id = $2"#,
-            p.provider,
-            p.external_payment_id,
-        )
-        .fetch_optional(self.db())
-        .await
-        .map_err(|e| self.failed(e))?;
-        match record(existing)? {
-            Some(p) => Ok(PaymentInsert::Existing(p)),
-            None => Err(StoreError::Retryable("conflicting payment vanished".into())),
+        match inserted {
+            Some(row) => Ok(PaymentInsert::Inserted(row.try_into()?)),
+            None => self.existing_payment(p).await,
         }
     }
 

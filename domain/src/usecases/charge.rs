@@ -284,22 +284,6 @@ mod tests {
         ChargeCommand::new("merchant_a", ORDER, CUSTOMER, "stripe", "pi_1", money).expect("valid")
     }
 
-    fn stored(from: &NewPayment) -> PaymentRecord {
-        PaymentRecord {
-            id: from.id,
-            merchant_id: from.merchant_id.clone(),
-            order_id: from.order_id,
-            customer_id: from.customer_id,
-            provider: from.provider.clone(),
-            external_payment_id: Some(from.external_payment_id.clone()),
-            amount: from.amount,
-            currency: from.currency.clone(),
-            status: from.status,
-            refunded_amount: Decimal::ZERO,
-            created_at: from.created_at,
-        }
-    }
-
     fn runtime() -> (MockClock, MockIdGenerator) {
         let mut clock = MockClock::new();
         clock.expect_now().return_const(now());
@@ -320,7 +304,7 @@ mod tests {
             .expect_insert_or_get()
             .withf(|p| p.provider == "stripe" && p.amount == Decimal::new(10_5000, 4) && p.created_at == now())
             .times(1)
-            .returning(|p| Ok(PaymentInsert::Inserted(stored(p))));
+            .returning(|p| Ok(PaymentInsert::Inserted(super::as_stored(p))));
         uow.outbox
             .expect_enqueue()
             .withf(|m| {
@@ -342,7 +326,7 @@ mod tests {
         let mut uow = MockUnitOfWork::default();
         let existing_id = Uuid::from_u128(0x0193_0000_0000_7000_8000_0000_0000_0099);
         uow.payments.expect_insert_or_get().returning(move |p| {
-            let mut rec = stored(p);
+            let mut rec = super::as_stored(p);
             rec.id = existing_id;
             Ok(PaymentInsert::Existing(rec))
         });
@@ -358,7 +342,7 @@ mod tests {
         let (clock, ids) = runtime();
         let mut uow = MockUnitOfWork::default();
         uow.payments.expect_insert_or_get().returning(|p| {
-            let mut rec = stored(p);
+            let mut rec = super::as_stored(p);
             rec.amount = Decimal::new(99, 0);
             Ok(PaymentInsert::Existing(rec))
         });

@@ -1471,25 +1471,29 @@ async fn a_charge_in_phases_survives_a_lost_answer_with_one_provider_charge() ->
     Ok(())
 }
 
+/// A claim of key `key` in scope `m` at `now`, kept 48 h.
+fn claim_at(key: &str, now: chrono::DateTime<chrono::Utc>) -> idem_ports::IdempotencyClaim {
+    idem_ports::IdempotencyClaim {
+        scope: "m".into(),
+        key: key.into(),
+        command_hash: [7; 32],
+        created_at: now,
+        expires_at: now + chrono::Duration::hours(48),
+    }
+}
+
+/// Attempt `attempt`'s hold at the recovery point `charge`, its lease until `lease_until`.
+fn hold(attempt: u32, lease_until: chrono::DateTime<chrono::Utc>) -> idem_ports::PhaseHold {
+    idem_ports::PhaseHold { attempt, lease_until, recovery_point: "charge".into(), request: None }
+}
+
 /// Issue 33 (toolkit): the store's fencing. A record held by attempt 1 whose lease lapsed is taken over by
 /// attempt 2; attempt 1 can then neither renew nor enter its second phase, attempt 2 can.
 #[tokio::test]
 async fn a_late_original_is_fenced_out_after_a_takeover() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let now = chrono::Utc::now();
-    let claim = idem_ports::IdempotencyClaim {
-        scope: "m".into(),
-        key: "fenced".into(),
-        command_hash: [7; 32],
-        created_at: now,
-        expires_at: now + chrono::Duration::hours(48),
-    };
-    let hold = |attempt, lease_until| idem_ports::PhaseHold {
-        attempt,
-        lease_until,
-        recovery_point: "charge".into(),
-        request: None,
-    };
+    let claim = claim_at("fenced", now);
     let mut uow = db.store.begin().await?;
     assert_eq!(uow.idempotency().claim(&claim, now, Duration::from_secs(1)).await?, idem_ports::ClaimOutcome::Claimed);
     assert!(uow.idempotency().hold("m", "fenced", &hold(1, now - chrono::Duration::seconds(1))).await?);
@@ -1516,24 +1520,15 @@ async fn a_late_original_is_fenced_out_after_a_takeover() -> anyhow::Result<()> 
 async fn a_key_reused_after_its_record_expired_holds_a_lease_again() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let now = chrono::Utc::now();
-    let claim = idem_ports::IdempotencyClaim {
-        scope: "m".into(),
-        key: "reused".into(),
-        command_hash: [7; 32],
-        created_at: now,
-        expires_at: now + chrono::Duration::hours(48),
+    let claim = claim_at("reused", now);
+    let request = idem_ports::StoredRequest {
+        method: "POST".into(),
+        uri: "/op".into(),
+        content_type: None,
+        body: b"{}".to_vec(),
     };
-    let hold = |attempt, lease_until| idem_ports::PhaseHold {
-        attempt,
-        lease_until,
-        recovery_point: "charge".into(),
-        request: Some(idem_ports::StoredRequest {
-            method: "POST".into(),
-            uri: "/op".into(),
-            content_type: None,
-            body: b"{}".to_vec(),
-        }),
-    };
+    let hold =
+        |attempt, lease_until| idem_ports::PhaseHold { request: Some(request.clone()), ..hold(attempt, lease_until) };
     let response = idem_ports::StoredResponse { status_code: 201, headers: Vec::new(), body: b"first".to_vec() };
     // the first request: held by attempt 1, taken over by attempt 2, completed
     let mut uow = db.store.begin().await?;
@@ -1550,8 +1545,7 @@ async fn a_key_reused_after_its_record_expired_holds_a_lease_again() -> anyhow::
         .await?;
     // the key sent again: claimed over the expired row, and its foreign call holds the record as attempt 1
     let later = chrono::Utc::now();
-    let again =
-        idem_ports::IdempotencyClaim { created_at: later, expires_at: later + chrono::Duration::hours(48), ..claim };
+    let again = claim_at("reused", later);
     let mut uow = db.store.begin().await?;
     assert_eq!(
         uow.idempotency().claim(&again, later, Duration::from_secs(1)).await?,
