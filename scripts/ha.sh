@@ -20,6 +20,14 @@
 # creates; the host reaches them as 10.X.0.1 (X from HA_BASE_PORT), where etcd and HAProxy listen, and cuts
 # are nftables rules that drop packets inside the node's namespace. Without root (HA_NETNS=0) every node
 # listens on loopback and the cuts are not available.
+#
+# Nothing is open without a password, each generated for the cluster at its first `up` and kept in
+# $HA_DIR/secrets (mode 0600; printed only inside the two URLs): PostgreSQL takes SCRAM only
+# (password_encryption scram-sha-256, no `trust` in pg_hba) for the superuser `postgres` and the replication
+# user `replicator`; Patroni's REST API wants Basic auth for every unsafe method (POST, PATCH, PUT, DELETE:
+# restart, switchover, config…), while its GET/OPTIONS health checks, which HAProxy polls, stay open; etcd
+# has authentication enabled, with a `root` user and a `patroni` user that may only read and write Patroni's
+# /service/ prefix. The node files n*.yml and ctl.yml hold passwords too and are 0600, owned by their reader.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -42,6 +50,31 @@ in_node() { local n=$1; shift; if [ "$netns" = 1 ]; then ip netns exec "$(ns_of 
 scope="idem-ha-$(printf '%s' "$dir" | md5sum | cut -c1-12)"
 
 log() { printf '[ha] %s\n' "$*" >&2; }
+secrets="$dir/secrets"
+# The cluster's passwords (32 hex digits each, safe in a URL), made once and kept with its state.
+load_secrets() {
+  if [ ! -s "$secrets" ]; then
+    [ "${1:-}" = create ] || { log "no $secrets: run \`$0 up\` first"; exit 1; }
+    local k
+    (
+      umask 077
+      for k in SUPERUSER REPLICATION RESTAPI ETCD_ROOT ETCD_PATRONI; do
+        echo "${k}_PASSWORD=$(openssl rand -hex 16)"
+      done >"$secrets.new"
+    )
+    mv "$secrets.new" "$secrets"
+  fi
+  chmod 600 "$secrets"
+  # shellcheck disable=SC1090
+  . "$secrets"
+}
+# A file only `owner` (postgres for what Patroni reads) may read: written from stdin.
+write_private() {
+  local file=$1 owner=${2:-}
+  (umask 077; cat >"$file.new")
+  [ -n "$owner" ] && [ "$(id -u)" -eq 0 ] && chown "$owner:$owner" "$file.new"
+  mv "$file.new" "$file"
+}
 as_postgres() { if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
 sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -49,7 +82,7 @@ bindir() { ls -d /usr/lib/postgresql/15/bin 2>/dev/null || ls -d /usr/lib/postgr
 
 install() {
   local missing=()
-  for p in patroni etcd-server etcd-client haproxy postgresql-15 postgresql-client-15 curl nftables iproute2; do
+  for p in patroni etcd-server etcd-client haproxy postgresql-15 postgresql-client-15 curl nftables iproute2 openssl; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   [ ${#missing[@]} -eq 0 ] && return
@@ -79,7 +112,7 @@ reclaim_ports() {
   # their Patroni processes hold no port of this range (the REST API does): end those whose state is gone
   for pid in $(pgrep -f "bin/patroni .*/ha/n[0-9].yml" || true); do
     cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null || true)
-    yml=${cmd##* }; yml=${yml% }
+    yml=${cmd% }; yml=${yml##* }
     [ -e "$yml" ] || { log "ending a leftover Patroni: $cmd"; kill -9 "$pid" 2>/dev/null || true; }
   done
   sleep 0.3
@@ -165,16 +198,56 @@ start_etcd() {
   log "etcd did not start (see $dir/etcd.log)"; exit 1
 }
 
+etcdctl_() { ETCDCTL_API=3 etcdctl --endpoints "http://127.0.0.1:$etcd_client" "$@"; }
+# etcdctl as root (the credentials in its environment, not on its command line)
+etcdctl_root() { ETCDCTL_USER="root:$ETCD_ROOT_PASSWORD" etcdctl_ "$@"; }
+# Runs an etcdctl step of the set-up, which may have been done already by an `up` that stopped half-way.
+etcd_step() {
+  local out
+  out=$("$@" 2>&1) && return 0
+  case "$out" in *"already exists"* | *"already granted"* | *"already enabled"*) return 0 ;; esac
+  log "etcd: $out"; return 1
+}
+
+# A new etcd answers anyone: give it a root user and one for Patroni (read-write on its /service/ prefix
+# only), then turn authentication on. One that already refuses anonymous requests must take root's password.
+etcd_auth() {
+  local state=""
+  for _ in $(seq 1 100); do
+    if etcdctl_ get --limit 1 /service/ >/dev/null 2>&1; then state=open; break; fi
+    if etcdctl_root get --limit 1 /service/ >/dev/null 2>&1; then state=closed; break; fi
+    sleep 0.1
+  done
+  case "$state" in
+    closed) return 0 ;;
+    "") log "etcd refuses root's password or does not answer (see $dir/etcd.log)"; exit 1 ;;
+  esac
+  printf '%s\n' "$ETCD_ROOT_PASSWORD" | etcd_step etcdctl_ user add root --interactive=false
+  etcd_step etcdctl_ user grant-role root root
+  etcd_step etcdctl_ role add patroni
+  etcd_step etcdctl_ role grant-permission patroni --prefix=true readwrite /service/
+  printf '%s\n' "$ETCD_PATRONI_PASSWORD" | etcd_step etcdctl_ user add patroni --interactive=false
+  etcd_step etcdctl_ user grant-role patroni patroni
+  etcd_step etcdctl_ auth enable
+  etcdctl_ get --limit 1 /service/ >/dev/null 2>&1 && { log "etcd still answers without a password"; exit 1; }
+  return 0
+}
+
 node_config() {
   local n=$1
-  cat >"$dir/n$n.yml" <<EOF
+  write_private "$dir/n$n.yml" postgres <<EOF
 scope: $scope
 name: n$n
 restapi:
   listen: $(node_ip "$n"):$(api_port "$n")
   connect_address: $(node_ip "$n"):$(api_port "$n")
+  authentication:
+    username: patroni
+    password: $RESTAPI_PASSWORD
 etcd3:
   hosts: $(host_ip):$etcd_client
+  username: patroni
+  password: $ETCD_PATRONI_PASSWORD
 bootstrap:
   dcs:
     ttl: 10
@@ -191,34 +264,35 @@ bootstrap:
         max_connections: 100
         shared_buffers: 32MB
         fsync: "off"
+        password_encryption: scram-sha-256
   initdb:
     - encoding: UTF8
-    - auth-local: trust
-    - auth-host: trust
-  pg_hba:
-    - local all all trust
-    - host all all 127.0.0.1/32 trust
-    - host replication all 127.0.0.1/32 trust
-    - host all all $net.0.0/24 trust
-    - host replication all $net.0.0/24 trust
+    - auth-local: scram-sha-256
+    - auth-host: scram-sha-256
 postgresql:
   listen: $(node_ip "$n"):$(pg_port "$n")
   connect_address: $(node_ip "$n"):$(pg_port "$n")
   data_dir: $dir/n$n/data
   bin_dir: $(bindir)
   pgpass: $dir/n$n/pgpass
+  # the whole of pg_hba.conf, on every node: passwords (SCRAM) only
+  pg_hba:
+    - local all all scram-sha-256
+    - host all all 127.0.0.1/32 scram-sha-256
+    - host replication replicator 127.0.0.1/32 scram-sha-256
+    - host all all $net.0.0/24 scram-sha-256
+    - host replication replicator $net.0.0/24 scram-sha-256
+  # pg_rewind uses the superuser
   authentication:
     superuser:
       username: postgres
-      password: postgres
+      password: $SUPERUSER_PASSWORD
     replication:
-      username: postgres
-      password: postgres
-    rewind:
-      username: postgres
-      password: postgres
+      username: replicator
+      password: $REPLICATION_PASSWORD
   parameters:
     unix_socket_directories: $dir/n$n
+    password_encryption: scram-sha-256
 tags:
   nofailover: false
   noloadbalance: false
@@ -303,20 +377,24 @@ sys.exit(0 if ok else 1)' "$sync"; then return 0; fi
 
 primary_node() { status | python3 -c 'import json,sys; p=json.load(sys.stdin)["primary"]; print(p[1:] if p else "")'; }
 
+# The only place a password is printed: the superuser's, in the URLs the tests connect with.
 urls() {
-  echo "DATABASE_URL=postgres://postgres:postgres@127.0.0.1:$haproxy_port/postgres"
+  load_secrets
+  echo "DATABASE_URL=postgres://postgres:$SUPERUSER_PASSWORD@127.0.0.1:$haproxy_port/postgres"
   local hosts=""
   for n in "${nodes[@]}"; do hosts="$hosts${hosts:+,}$(node_ip "$n"):$(pg_port "$n")"; done
-  echo "DATABASE_MULTIHOST_URL=postgres://postgres:postgres@$hosts/postgres?target_session_attrs=read-write&connect_timeout=2"
+  echo "DATABASE_MULTIHOST_URL=postgres://postgres:$SUPERUSER_PASSWORD@$hosts/postgres?target_session_attrs=read-write&connect_timeout=2"
 }
 
 case "${1:-}" in
   up)
     install
     mkdir -p "$dir"
+    load_secrets create
     reclaim_ports
     net_up
     start_etcd
+    etcd_auth
     for n in "${nodes[@]}"; do node_config "$n"; start_node "$n"; done
     wait_healthy 900
     start_haproxy
@@ -324,8 +402,8 @@ case "${1:-}" in
     # row reach the primary
     in_a_row=0
     for _ in $(seq 1 300); do
-      if [ "$(psql "postgres://postgres:postgres@127.0.0.1:$haproxy_port/postgres?connect_timeout=1" -Atc \
-            'SELECT pg_is_in_recovery()' 2>/dev/null)" = f ]; then in_a_row=$((in_a_row + 1)); else in_a_row=0; fi
+      if [ "$(PGPASSWORD=$SUPERUSER_PASSWORD psql "postgres://postgres@127.0.0.1:$haproxy_port/postgres?connect_timeout=1" \
+            -Atc 'SELECT pg_is_in_recovery()' 2>/dev/null)" = f ]; then in_a_row=$((in_a_row + 1)); else in_a_row=0; fi
       [ "$in_a_row" -ge 10 ] && break
       sleep 0.1
     done
@@ -357,7 +435,8 @@ case "${1:-}" in
     mode=$([ "$1" = sync ] && echo true || echo false)
     lag=$([ "$1" = sync ] && echo 0 || echo 1073741824)
     # patronictl reads the DCS address from a node's file; from the host, etcd is on loopback too
-    sed "s/hosts: .*/hosts: 127.0.0.1:$etcd_client/" "$dir/n1.yml" >"$dir/ctl.yml"
+    # (it holds the node's passwords: etcd's for Patroni, and the REST API's, which patronictl sends)
+    sed "s/hosts: .*/hosts: 127.0.0.1:$etcd_client/" "$dir/n1.yml" | write_private "$dir/ctl.yml" postgres
     as_postgres patronictl -c "$dir/ctl.yml" edit-config --force \
       -s "synchronous_mode=$mode" -s "synchronous_mode_strict=$mode" -s "maximum_lag_on_failover=$lag" >/dev/null
     echo "$1" >"$dir/mode"

@@ -232,6 +232,14 @@ pub async fn charge(
     let order_id = uuid_field(&map, "order_id")?;
     let customer_id = uuid_field(&map, "customer_id")?;
     let provider = string_field(&map, "provider")?;
+    if state.provider.as_ref().is_some_and(|configured| configured.name() == provider) {
+        // recorded under the configured provider's name, a charge made elsewhere would be refunded through
+        // the provider with the platform's key: only idem's own charges (with a payment_method) carry it
+        return Err(invalid(
+            "provider",
+            "this is the payment provider idem charges through: charge with a payment_method instead of recording a charge made elsewhere",
+        ));
+    }
     let external_payment_id = string_field(&map, "external_payment_id")?;
     let amount = amount_field(&map)?;
     let currency =
@@ -380,9 +388,9 @@ async fn charge_through_provider(
                 _ => Ok(payment_created(&declined)),
             }
         }
-        Err(ProviderError::Unknown(why)) => {
+        Err(ProviderError::Unknown { why, retry_after }) => {
             tracing::warn!(payment = %payment_id, why = %why, "the provider's answer is unknown; the retry asks again under the same key");
-            Err(tx.outcome_unknown(call).await.into())
+            Err(tx.outcome_unknown_after(call, retry_after).await.into())
         }
         Err(ProviderError::NoAnswer(why)) => {
             tracing::warn!(payment = %payment_id, why = %why, "no answer from the provider; the retry asks again under the same key once the lease lapsed");
@@ -443,7 +451,8 @@ pub async fn refund(
     if let Some(provider) = state.provider.clone() {
         let payment =
             (state.payments_of)(tx.uow())?.payments().get_for_update(payment_id, Some(merchant.0.to_string())).await?;
-        if let Some(p) = payment.filter(|p| p.provider == provider.name()) {
+        // only a charge idem made itself is refunded at the provider (`through_provider`)
+        if let Some(p) = payment.filter(|p| p.through_provider && p.provider == provider.name()) {
             return refund_through_provider(&state, provider, tx, cmd, p).await;
         }
     }
@@ -533,9 +542,9 @@ async fn refund_through_provider(
                 .commit()
                 .into())
         }
-        Err(ProviderError::Unknown(why)) => {
+        Err(ProviderError::Unknown { why, retry_after }) => {
             tracing::warn!(payment = %payment.id, why = %why, "the provider's answer to a refund is unknown; the retry asks again under the same key");
-            Err(tx.outcome_unknown(call).await.into())
+            Err(tx.outcome_unknown_after(call, retry_after).await.into())
         }
         Err(ProviderError::NoAnswer(why)) => {
             tracing::warn!(payment = %payment.id, why = %why, "no answer from the provider to a refund; the retry asks again once the lease lapsed");

@@ -69,11 +69,11 @@ use axum::body::{Body, Bytes};
 use axum::extract::FromRequestParts;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
-use idem_domain::phases::{self, Claim, InProgress, Lease};
+use idem_domain::phases::Lease;
 use idem_domain::{Decision, Fingerprint, IdempotencyKey, TtlPolicy, decide};
 use idem_ports::{
-    ClaimOutcome, Clock, IdempotencyClaim, PhaseHold, StoreError, StoredRequest, StoredResponse, TransactionManager,
-    UnitOfWork,
+    ClaimOutcome, Clock, IdempotencyClaim, PhaseHold, StoreError, StoredRequest, StoredResponse, TakeOver,
+    TransactionManager, UnitOfWork,
 };
 use tokio::sync::{Mutex, OwnedMutexGuard, watch};
 use tower::{Layer, Service};
@@ -438,7 +438,6 @@ pub struct Tx(OwnedMutexGuard<Option<Box<dyn UnitOfWork>>>, Option<Arc<PhaseCont
 #[derive(Debug)]
 pub struct ForeignCall {
     key: String,
-    step: String,
     renewal: tokio::task::JoinHandle<()>,
     /// The call's span: from the first phase's commit to the second phase (or the answer without one).
     span: tracing::Span,
@@ -563,7 +562,6 @@ impl Tx {
         });
         Ok(ForeignCall {
             key: idem_domain::phases::downstream_key(&ctx.claim.scope, &ctx.claim.key, step),
-            step: step.to_owned(),
             renewal,
             span: if idem_ports::trace::current_sampled() {
                 tracing::debug_span!("foreign call", otel.kind = "internal", step, attempt = ctx.attempt)
@@ -575,28 +573,40 @@ impl Tx {
 
     /// Ends a [`Tx::foreign_call`] whose outcome is unknown although the call is over at the other side (it
     /// answered `5xx`, `429` or its own "in progress", or the connection was refused): the record stays at
-    /// its recovery point, its lease is given up so the client's retry (or the completer) resumes at once
-    /// with the same key, and the answer is `503 outcome-unknown` with `Retry-After` — return it from the
-    /// handler. After no answer at all use [`Tx::unanswered`].
+    /// its recovery point, its lease ends, and no attempt calls again before a backoff (growing with the
+    /// attempts) on the database's clock — a retry before it is answered `503` with the time left and sends
+    /// nothing. The answer is `503 outcome-unknown` with that `Retry-After`: return it from the handler.
+    /// When the other side said how long to wait, use [`Tx::outcome_unknown_after`]; after no answer at all
+    /// use [`Tx::unanswered`].
     pub async fn outcome_unknown(&mut self, call: ForeignCall) -> Problem {
-        let step = call.step.clone();
+        self.outcome_unknown_after(call, None).await
+    }
+
+    /// [`Tx::outcome_unknown`] when the other side sent `Retry-After`: no call before `retry_after` (at
+    /// most an hour); `None` waits the backoff.
+    pub async fn outcome_unknown_after(&mut self, call: ForeignCall, retry_after: Option<Duration>) -> Problem {
         drop(call);
+        let mut wait = Duration::from_secs(1);
         if let Some(ctx) = self.1.clone() {
-            let hold =
-                PhaseHold { attempt: ctx.attempt, lease_until: ctx.clock.now(), recovery_point: step, request: None };
-            let released = async {
+            // attempt n (1-based) waits about 2^(n-1) s, at most a minute, unless the other side said otherwise
+            let backoff = idem_ports::Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
+            wait = retry_after
+                .unwrap_or_else(|| backoff.nth(ctx.attempt.saturating_sub(1)))
+                .clamp(Duration::from_secs(1), Duration::from_secs(3600));
+            let deferred = async {
                 let mut uow = ctx.tm.begin().await?;
-                uow.idempotency().hold(&ctx.claim.scope, &ctx.claim.key, &hold).await?;
+                uow.idempotency().defer(&ctx.claim.scope, &ctx.claim.key, ctx.attempt, wait).await?;
                 uow.commit().await
             };
-            if let Err(e) = released.await {
+            if let Err(e) = deferred.await {
                 // the lease then lapses on its own: the retry waits for it
-                tracing::warn!(error = %e, "could not give up the lease after an unknown outcome");
+                tracing::warn!(error = %e, "could not record the wait after an unknown outcome");
+                wait = ctx.lease;
             }
         }
         Problem::new(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE)
-            .detail("the other system's answer is unknown; retry with the same Idempotency-Key: the retry asks it again under the same key, so it acts at most once")
-            .retry_after(1)
+            .detail("the other system's answer is unknown; retry with the same Idempotency-Key after Retry-After: the retry asks it again under the same key, so it acts at most once")
+            .retry_after(u32::try_from(wait.as_secs().max(1)).unwrap_or(u32::MAX))
     }
 
     /// Ends a [`Tx::foreign_call`] that got no answer (a timeout, a reset): the call may still be in process
@@ -647,7 +657,9 @@ impl PhaseContext {
             method: method.as_str().to_owned(),
             uri: uri.path_and_query().map_or_else(|| uri.path().to_owned(), |p| p.as_str().to_owned()),
             content_type: content_type.as_ref().and_then(|v| v.to_str().ok()).map(str::to_owned),
-            body: body.to_vec(),
+            // a JSON body without its insignificant whitespace (every value, number and key order kept, so
+            // its fingerprint is the same): a padded body costs the table nothing
+            body: compact_json(body).unwrap_or_else(|| body.to_vec()),
         }
     }
 
@@ -655,8 +667,38 @@ impl PhaseContext {
     fn hold(&self, step: &str) -> PhaseHold {
         let now = self.clock.now();
         let lease = Lease { attempt: self.attempt, until: now }.renewed(now, self.lease);
-        PhaseHold { attempt: lease.attempt, lease_until: lease.until, recovery_point: step.to_owned(), request: None }
+        PhaseHold {
+            attempt: lease.attempt,
+            lease_until: lease.until,
+            lease: self.lease,
+            not_before: None,
+            recovery_point: step.to_owned(),
+            request: None,
+        }
     }
+}
+
+/// `body` without the whitespace between JSON tokens (`None`: not JSON). Strings, numbers and the order of
+/// keys are kept byte for byte, so the body means — and fingerprints — the same.
+fn compact_json(body: &[u8]) -> Option<Vec<u8>> {
+    serde_json::from_slice::<serde::de::IgnoredAny>(body).ok()?;
+    let mut out = Vec::with_capacity(body.len());
+    let (mut in_string, mut escaped) = (false, false);
+    for &b in body {
+        if in_string {
+            out.push(b);
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+        } else if !matches!(b, b' ' | b'\t' | b'\n' | b'\r') {
+            in_string = b == b'"';
+            out.push(b);
+        }
+    }
+    Some(out)
 }
 
 /// The answer of an attempt whose record another attempt took over (it lost its lease).
@@ -946,24 +988,12 @@ where
         }
         Ok(ClaimOutcome::Existing(record)) => match decide(Some(&record), &fingerprint, now) {
             Decision::Resume { attempt, recovery_point } => {
-                // the model-checked rule gives the next attempt's lease (`model/src/phases.rs`)
-                let held = InProgress {
-                    lease: Lease { attempt, until: now },
-                    recovery_point: recovery_point.to_owned(),
-                };
-                let Claim::TakeOver { lease, resume_at } = phases::claim(Some(&held), now, config.lease) else {
-                    return in_flight();
-                };
-                match uow.idempotency().take_over(&claim.scope, &claim.key, attempt, lease.until, now).await {
-                    Ok(true) => {
-                        tracing::info!(key = %claim.key, attempt = lease.attempt, resume_at, "taking over a request whose attempt lost its lease");
-                        let run =
-                            Run { claim, attempt: lease.attempt, resume_at: Some(resume_at), claimed: true, deadline };
-                        answer(execute(&shared, inner, parts, body, uow, Some(run)).await)
-                    }
-                    Ok(false) => in_flight(),
-                    Err(e) => store_failure(&e),
-                }
+                take_over(&shared, inner, parts, body, uow, claim, (attempt, recovery_point.to_owned()), deadline).await
+            }
+            // held between phases with a live lease by this host's clock: the database's clock decides
+            Decision::InFlight if record.phase.is_some() => {
+                let held = record.phase.as_ref().map(|h| (h.attempt, h.recovery_point.clone())).unwrap_or_default();
+                take_over(&shared, inner, parts, body, uow, claim, held, deadline).await
             }
             Decision::Replay(stored) => {
                 // as on the fast path: answered only once a synchronous standby has the record (bounded:
@@ -985,6 +1015,46 @@ layer_problem(ProblemKind::IdempotencyKeyReused, config.conflict_status)
             Decision::InFlight | Decision::Execute => in_flight(),
         },
         Err(StoreError::LockTimeout) => in_flight(),
+        Err(e) => store_failure(&e),
+    }
+}
+
+/// Takes over a record held by `held` (its attempt and recovery point) when the database's clock says its
+/// lease lapsed and its wait after an unknown outcome passed: the handler runs again from the recovery
+/// point as the next attempt. A live lease is `409` in flight; a wait is `503` with the time left, and
+/// nothing is sent meanwhile.
+#[allow(clippy::too_many_arguments)]
+async fn take_over<S>(
+    shared: &Arc<Shared>,
+    inner: S,
+    parts: Parts,
+    body: Bytes,
+    mut uow: Box<dyn UnitOfWork>,
+    claim: IdempotencyClaim,
+    (attempt, resume_at): (u32, String),
+    deadline: tokio::time::Instant,
+) -> Response
+where
+    S: Service<Request<Body>, Response = Response, Error = Infallible> + Clone + Send,
+    S::Future: Send,
+{
+    match uow.idempotency().take_over(&claim.scope, &claim.key, attempt, shared.config.lease).await {
+        Ok(TakeOver::Taken) => {
+            let attempt = attempt + 1;
+            tracing::info!(key = %claim.key, attempt, resume_at, "taking over a request whose attempt lost its lease");
+            let run = Run { claim, attempt, resume_at: Some(resume_at), claimed: true, deadline };
+            match execute(shared, inner, parts, body, uow, Some(run)).await {
+                Executed::Answer(response) => response,
+                Executed::KeyTaken => in_flight(),
+            }
+        }
+        Ok(TakeOver::Held) => in_flight(),
+        Ok(TakeOver::NotBefore(wait)) => {
+            let problem = Problem::new(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE)
+                .detail("the other system's answer to this request is unknown and it asked to wait: retry with the same Idempotency-Key after Retry-After; nothing was sent")
+                .retry_after(u32::try_from(wait.as_secs().max(1)).unwrap_or(u32::MAX));
+            tagged(problem.into_response(), "in_flight")
+        }
         Err(e) => store_failure(&e),
     }
 }
@@ -1158,6 +1228,16 @@ where
 #[cfg(test)]
 mod fast_path_tests {
     use super::ReplayShare;
+
+    #[test]
+    fn a_stored_json_body_loses_its_padding_and_nothing_else() {
+        let padded = b" {\n \"amount\" :  \"1.00\",\t\"note\": \"a \\\" b  c\", \"n\": 0.10000000000000000001 }  ";
+        let compact = super::compact_json(padded).unwrap_or_default();
+        assert_eq!(compact, br#"{"amount":"1.00","note":"a \" b  c","n":0.10000000000000000001}"#.to_vec());
+        let fp = |b: &[u8]| idem_domain::Fingerprint::of_request("POST", "/x", b);
+        assert_eq!(fp(padded), fp(&compact), "the same request");
+        assert_eq!(super::compact_json(b"not json"), None);
+    }
 
     #[test]
     fn a_retry_storm_turns_the_fast_path_on_and_ordinary_traffic_off() {

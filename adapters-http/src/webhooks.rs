@@ -1,8 +1,9 @@
 //! `POST /webhooks/payment-provider`: the payment provider's events (README, "Calling other systems").
 //!
 //! The signature (`Provider-Signature: t=…,v1=…`, HMAC-SHA256 of `t.body`, 5 minutes' tolerance) is
-//! checked before anything is read: a missing or malformed one is `400`, a wrong or stale one `401`, and
-//! neither changes anything. Each provider event id is applied once, in the transaction of its effect
+//! checked before anything is read: a missing or malformed one (more than a few `v1`s included) is `400`,
+//! a wrong or stale one `401`, and neither changes anything. A body over [`MAX_BODY`] is `413` before any
+//! MAC work, and one request costs one MAC whatever its header holds. Each provider event id is applied once, in the transaction of its effect
 //! (`provider_event`). The effects converge with the API's own path on one payment and one refund:
 //!
 //! - `charge.succeeded` captures the pending payment its `reference` names (idem's payment id) — before
@@ -24,7 +25,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use idem_domain::usecases::{Capture, ProviderChargeError, RefundCommand, RefundError, capture_charge, refund_payment};
-use idem_domain::webhook::{WebhookError, verify};
+use idem_domain::webhook::{MIN_SECRET_LEN, WebhookError, verify};
 use idem_ports::StoreError;
 use serde::Deserialize;
 use uuid::Uuid;
@@ -35,6 +36,9 @@ use crate::problem::{Problem, ProblemKind};
 /// The header carrying the signature.
 pub const SIGNATURE_HEADER: &str = "provider-signature";
 
+/// The largest webhook body read (`413` beyond, before any MAC work): a provider's event is a few KiB.
+pub const MAX_BODY: usize = 256 * 1024;
+
 /// What the webhook endpoint needs: the API's state and the secret the provider signs with.
 #[derive(Clone)]
 pub struct WebhookState {
@@ -42,8 +46,24 @@ pub struct WebhookState {
     pub api: ApiState,
     /// The provider's name (its payments' `provider`).
     pub provider: Arc<str>,
-    /// `PAYMENT_PROVIDER_WEBHOOK_SECRET`.
-    pub secret: Arc<[u8]>,
+    /// `PAYMENT_PROVIDER_WEBHOOK_SECRET`: at least [`MIN_SECRET_LEN`] bytes.
+    secret: Arc<[u8]>,
+}
+
+/// A webhook secret too short to authenticate anything (empty, or under [`MIN_SECRET_LEN`] bytes).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the webhook secret must have at least {MIN_SECRET_LEN} characters")]
+pub struct WeakWebhookSecret;
+
+impl WebhookState {
+    /// The endpoint's state: `secret` must have at least [`MIN_SECRET_LEN`] bytes (an empty or short one
+    /// would let anyone sign a capture).
+    pub fn new(api: ApiState, provider: Arc<str>, secret: &[u8]) -> Result<Self, WeakWebhookSecret> {
+        if secret.len() < MIN_SECRET_LEN {
+            return Err(WeakWebhookSecret);
+        }
+        Ok(Self { api, provider, secret: secret.into() })
+    }
 }
 
 impl std::fmt::Debug for WebhookState {
@@ -52,9 +72,15 @@ impl std::fmt::Debug for WebhookState {
     }
 }
 
-/// The route, outside the API's authentication and idempotency layer (its own dedup is the event id).
+/// The route, outside the API's authentication and idempotency layer (its own dedup is the event id), with
+/// its own body limit ([`MAX_BODY`]).
 pub fn router(state: WebhookState) -> axum::Router {
-    axum::Router::new().route("/webhooks/payment-provider", axum::routing::post(payment_provider)).with_state(state)
+    axum::Router::new()
+        .route(
+            "/webhooks/payment-provider",
+            axum::routing::post(payment_provider).layer(axum::extract::DefaultBodyLimit::max(MAX_BODY)),
+        )
+        .with_state(state)
 }
 
 #[derive(Deserialize)]

@@ -64,9 +64,10 @@ pub const FILE_SECRETS: [(&str, &str); 7] = [
 /// The payment provider charges with a `payment_method` go through (README, "Calling other systems").
 #[derive(Debug, Clone, clap::Args)]
 pub struct ProviderArgs {
-    /// Base URL of the payment provider's API (`https://…`); unset: charges name their provider payment
+    /// Base URL of the payment provider's API (`https://…`; `http://` only to a loopback host; no
+    /// credentials: the key is PAYMENT_PROVIDER_API_KEY); unset: charges name their provider payment
     /// themselves (the recording flow) and a `payment_method` is refused.
-    #[arg(long, env = "PAYMENT_PROVIDER_URL")]
+    #[arg(long, env = "PAYMENT_PROVIDER_URL", hide_env_values = true)]
     pub payment_provider_url: Option<String>,
     /// The provider's name, stored as the payments' `provider`.
     #[arg(long, env = "PAYMENT_PROVIDER_NAME", default_value = "provider")]
@@ -97,10 +98,16 @@ impl ProviderArgs {
         if self.payment_provider_webhook_secret.is_some() && self.payment_provider_url.is_none() {
             return Err("PAYMENT_PROVIDER_WEBHOOK_SECRET needs PAYMENT_PROVIDER_URL".into());
         }
+        if let Some(secret) = &self.payment_provider_webhook_secret
+            && secret.0.chars().count() < idem_domain::webhook::MIN_SECRET_LEN
+        {
+            return Err(format!(
+                "PAYMENT_PROVIDER_WEBHOOK_SECRET must have at least {} characters (empty or short, anyone could sign a capture)",
+                idem_domain::webhook::MIN_SECRET_LEN
+            ));
+        }
         if let Some(url) = &self.payment_provider_url {
-            if !(url.starts_with("https://") || url.starts_with("http://")) {
-                return Err("PAYMENT_PROVIDER_URL must be an http(s) URL".into());
-            }
+            idem_http::provider::check_base_url(url).map_err(|why| format!("PAYMENT_PROVIDER_URL {why}"))?;
             if self.payment_provider_api_key.is_none() {
                 return Err("PAYMENT_PROVIDER_URL needs PAYMENT_PROVIDER_API_KEY (or _FILE)".into());
             }

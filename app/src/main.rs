@@ -405,7 +405,23 @@ mod tests {
     #[test]
     fn provider_settings_are_checked() {
         refused(&["--payment-provider-url", "https://p.example"], "needs PAYMENT_PROVIDER_API_KEY");
-        refused(&["--payment-provider-url", "ftp://p.example", "--payment-provider-api-key", "k"], "http(s) URL");
+        refused(&["--payment-provider-url", "ftp://p.example", "--payment-provider-api-key", "k"], "https:// URL");
+        // issue 44: https:// except to a loopback host, and no credentials in the URL (never echoed)
+        refused(&["--payment-provider-url", "http://p.example", "--payment-provider-api-key", "k"], "https://");
+        assert!(
+            serve_with(&["--payment-provider-url", "http://127.0.0.1:9", "--payment-provider-api-key", "k"]).is_ok()
+        );
+        let url = "https://acct:pw_not_shown_3@p.example";
+        let err = serve_with(&["--payment-provider-url", url, "--payment-provider-api-key", "k"]).expect_err("creds");
+        assert!(err.contains("PAYMENT_PROVIDER_API_KEY") && !err.contains("pw_not_shown"), "{err}");
+        // issue 44: an empty or short webhook secret let anyone sign a capture
+        for weak in ["", "short_secret_15"] {
+            let args = ["--payment-provider-url", "https://p", "--payment-provider-api-key", "k"];
+            let err = serve_with(&[&args[..], &["--payment-provider-webhook-secret", weak]].concat())
+                .expect_err("a weak webhook secret");
+            assert!(err.contains("PAYMENT_PROVIDER_WEBHOOK_SECRET") && err.contains("at least 16"), "{err}");
+            assert!(weak.is_empty() || !err.contains(weak), "{err}");
+        }
         refused(
             &[
                 "--payment-provider-url",

@@ -187,7 +187,7 @@ fn api(args: &ServeArgs, store: &PgStore, checked: &Checked, registry: &mut Regi
         clock: clock.clone(),
         ids: Arc::new(UuidV7Generator),
         payments_topic: args.kafka.payments_topic.as_str().into(),
-        provider: payment_provider(&args.provider)?,
+        provider: payment_provider(&args.provider, registry)?,
     };
     let mut config = IdempotencyConfig::new(checked.idempotency_ttl, idem_http::merchant_scope());
     config.wait = args.idempotency_wait;
@@ -215,11 +215,10 @@ fn api(args: &ServeArgs, store: &PgStore, checked: &Checked, registry: &mut Regi
     let api_keys = args.api_keys.clone().with_concurrency_limit(args.merchant_concurrency as usize);
     api_keys.register(registry);
     let webhooks = match (&args.provider.payment_provider_webhook_secret, &state.provider) {
-        (Some(secret), Some(provider)) => Some(idem_http::webhooks::WebhookState {
-            api: state.clone(),
-            provider: provider.name().into(),
-            secret: secret.0.as_bytes().into(),
-        }),
+        (Some(secret), Some(provider)) => Some(
+            idem_http::webhooks::WebhookState::new(state.clone(), provider.name().into(), secret.0.as_bytes())
+                .map_err(|e| anyhow::anyhow!("PAYMENT_PROVIDER_WEBHOOK_SECRET: {e}"))?,
+        ),
         (Some(_), None) => anyhow::bail!("PAYMENT_PROVIDER_WEBHOOK_SECRET needs PAYMENT_PROVIDER_URL"),
         _ => None,
     };
@@ -260,6 +259,7 @@ fn completer(
 /// The payment provider of `PAYMENT_PROVIDER_URL`, if one is configured.
 fn payment_provider(
     args: &crate::config::ProviderArgs,
+    registry: &mut Registry,
 ) -> anyhow::Result<Option<Arc<dyn idem_ports::PaymentProvider>>> {
     let (Some(url), Some(key)) = (&args.payment_provider_url, &args.payment_provider_api_key) else {
         return Ok(None);
@@ -271,6 +271,7 @@ fn payment_provider(
         args.payment_provider_timeout,
     )
     .context("building the payment provider's HTTP client")?;
+    provider.register(registry);
     tracing::info!(name = %args.payment_provider_name, "charges with a payment_method go through the payment provider");
     Ok(Some(Arc::new(provider)))
 }

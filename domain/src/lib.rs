@@ -9,6 +9,7 @@
 
 pub mod events;
 pub mod idempotency;
+pub mod json;
 pub mod money;
 pub mod payment;
 pub mod phases;

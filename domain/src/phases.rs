@@ -148,22 +148,42 @@ pub enum CallOutcome {
     /// The other side refused for good (a declined card, a key reused with other parameters): a final
     /// answer, stored and replayed, never attempted again.
     Refused,
-    /// Nobody knows whether it happened (a timeout, a reset, a refused connection, `5xx`, `429`, the
-    /// other side's own "in progress"): the record stays at its recovery point; the client is told
-    /// `503 outcome-unknown`, and the retry or the completer calls again with the same key.
+    /// The other side answered that nothing of this call is in process (its own `5xx`, `429` or "in
+    /// progress", with its error body), or the connection was refused: the record stays at its recovery
+    /// point and the call may be made again with the same key — not before the answer's `Retry-After`.
     Unknown,
+    /// No answer (a timeout, a reset, a redirect never followed, a gateway's `502`/`503`/`504`): the call
+    /// may still be in process, so the lease is kept until it lapses.
+    NoAnswer,
+    /// An answer that is not the other side's (an ingress's `404`, a `2xx` that is no charge) or that only
+    /// an operator can fix (`401`/`403`: a wrong key): never stored as a refusal; held like
+    /// [`CallOutcome::NoAnswer`], and an alert fires while it lasts.
+    Unrecognised,
 }
 
-/// The outcome an HTTP answer of the other side means (`None`: no answer — a timeout, a reset, a refused
-/// connection). `2xx` succeeded; `409` (its own "in progress"), `408`, `425`, `429` and `5xx` are unknown,
-/// and so are `401`/`403`: a wrong key or a missing permission is the operator's to fix, never a final
-/// answer to store for a customer's payment; any other `4xx` is a refusal.
-pub fn http_outcome(status: Option<u16>) -> CallOutcome {
-    match status {
-        Some(200..=299) => CallOutcome::Succeeded,
-        Some(401 | 403 | 408 | 409 | 425 | 429) | Some(500..=599) | None => CallOutcome::Unknown,
-        Some(400..=499) => CallOutcome::Refused,
-        Some(_) => CallOutcome::Unknown,
+/// The outcome an HTTP answer of the other side means: its status (`None`: no answer — a timeout, a reset,
+/// a refused connection) and whether its body is the other side's own (a charge for a `2xx`, its error
+/// body otherwise). One table for every answer (ARCHITECTURE.md, "What the provider said"):
+///
+/// | answer | with the provider's body | without it |
+/// | --- | --- | --- |
+/// | `2xx` | succeeded | unrecognised |
+/// | `3xx` (never followed) | no answer | no answer |
+/// | `401`, `403` | unrecognised | unrecognised |
+/// | `408`, `425` | no answer | no answer |
+/// | `409`, `429` | unknown (nothing in process) | no answer |
+/// | other `4xx` | refused | unrecognised |
+/// | `5xx` | unknown (nothing in process) | no answer |
+/// | none (timeout, reset) | no answer | no answer |
+pub fn http_outcome(status: Option<u16>, providers_body: bool) -> CallOutcome {
+    match (status, providers_body) {
+        (Some(200..=299), true) => CallOutcome::Succeeded,
+        (Some(200..=299), false) | (Some(401 | 403), _) => CallOutcome::Unrecognised,
+        (Some(409 | 429), true) | (Some(500..=599), true) => CallOutcome::Unknown,
+        (Some(408 | 425 | 409 | 429), _) | (Some(500..=599), false) => CallOutcome::NoAnswer,
+        (Some(400..=499), true) => CallOutcome::Refused,
+        (Some(400..=499), false) => CallOutcome::Unrecognised,
+        (Some(_), _) | (None, _) => CallOutcome::NoAnswer,
     }
 }
 
@@ -223,12 +243,25 @@ mod tests {
 
     #[test]
     fn answers_of_the_other_side_are_classified() {
-        assert_eq!(http_outcome(Some(200)), CallOutcome::Succeeded);
+        use CallOutcome::*;
+        assert_eq!(http_outcome(Some(200), true), Succeeded);
         for refused in [400, 402, 404, 422] {
-            assert_eq!(http_outcome(Some(refused)), CallOutcome::Refused, "{refused}");
+            assert_eq!(http_outcome(Some(refused), true), Refused, "{refused}");
+            // issue 45: an ingress's 4xx without the provider's error body is never a refusal
+            assert_eq!(http_outcome(Some(refused), false), Unrecognised, "{refused}");
         }
-        for unknown in [None, Some(401), Some(403), Some(409), Some(429), Some(500), Some(503), Some(302)] {
-            assert_eq!(http_outcome(unknown), CallOutcome::Unknown, "{unknown:?}");
+        for nothing_in_process in [409, 429, 500, 502, 503, 504] {
+            assert_eq!(http_outcome(Some(nothing_in_process), true), Unknown, "{nothing_in_process}");
         }
+        // issue 45: a gateway's 502/504 is no answer: the charge may still run behind it
+        for no_answer in [None, Some(302), Some(307), Some(408), Some(409), Some(429), Some(500), Some(502), Some(504)]
+        {
+            assert_eq!(http_outcome(no_answer, false), NoAnswer, "{no_answer:?}");
+        }
+        for operators in [401, 403] {
+            assert_eq!(http_outcome(Some(operators), true), Unrecognised);
+            assert_eq!(http_outcome(Some(operators), false), Unrecognised);
+        }
+        assert_eq!(http_outcome(Some(200), false), Unrecognised, "a 2xx that is no charge");
     }
 }

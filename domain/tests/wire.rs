@@ -33,6 +33,7 @@ fn payment() -> PaymentRecord {
         status: PaymentStatus::Captured,
         refunded_amount: Decimal::ZERO,
         created_at: Utc.with_ymd_and_hms(2026, 12, 3, 10, 0, 0).single().expect("time"),
+        through_provider: false,
     }
 }
 

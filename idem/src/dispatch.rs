@@ -127,8 +127,9 @@ struct Typed<H>(H);
 #[async_trait]
 impl<H: TypedEventHandler> PgEventHandler for Typed<H> {
     async fn handle(&self, tx: &mut PgUnitOfWork, event: &InboundEvent) -> Result<(), HandlerError> {
-        let payload: H::Event = serde_json::from_slice(&event.payload)
-            .map_err(|e| HandlerError::Malformed(format!("the payload does not read as its type: {e}")))?;
+        // the reason names the field and the expected type, never a payload value (logs, `dlq.error`)
+        let payload: H::Event = idem_domain::json::read(&event.payload)
+            .map_err(|why| HandlerError::Malformed(format!("the payload does not read as its type: {why}")))?;
         self.0.handle(tx, payload, event).await
     }
 }

@@ -24,7 +24,7 @@ pub use records::{
     ClaimOutcome, HeldRequest, IdempotencyClaim, IdempotencyRecord, IdempotencyState, InboundEvent, LapsedRecord,
     NewOutboxMessage, NewPayment, NewPendingPayment, NewRefund, OrderVersion, OutboxRecord, PaymentInsert,
     PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent, RefundRecord, SagaStepClaim, StoredRequest,
-    StoredResponse,
+    StoredResponse, TakeOver,
 };
 pub use repositories::{
     ConsumerIdentity, IdempotencyRepository, OutboxRepository, OutboxWakeup, PaymentRepository, PaymentUnitOfWork,

@@ -59,13 +59,19 @@ pub enum ProviderError {
         /// The provider's code (`card_declined`, `key_reused`, …).
         code: String,
     },
-    /// The provider answered without saying whether it happened (`5xx`, `429`, its own "in progress"), or
-    /// the call never reached it (a refused connection): nothing of this call is still in process there;
-    /// call again with the same key, at once.
-    #[error("outcome unknown: {0}")]
-    Unknown(String),
-    /// No answer (a timeout, a reset after sending): the call may still be in process at the provider.
-    /// Call again with the same key once the attempt's lease lapsed, which outlives any call.
+    /// The provider answered without saying whether it happened (its own `5xx`, `429` or "in progress"),
+    /// or the call never reached it (a refused connection): nothing of this call is still in process
+    /// there; call again with the same key, not before `retry_after` (the provider's `Retry-After`).
+    #[error("outcome unknown: {why}")]
+    Unknown {
+        /// What was seen (a status, an error kind; never a secret or the request).
+        why: String,
+        /// The provider's `Retry-After`, when it sent one.
+        retry_after: Option<std::time::Duration>,
+    },
+    /// No answer (a timeout, a reset after sending, a redirect, a gateway's `502`/`504`, an answer that is
+    /// not the provider's): the call may still be in process at the provider. Call again with the same key
+    /// once the attempt's lease lapsed, which outlives any call.
     #[error("no answer: {0}")]
     NoAnswer(String),
 }

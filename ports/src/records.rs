@@ -97,6 +97,10 @@ pub struct PaymentRecord {
     pub refunded_amount: Decimal,
     /// When the payment was created.
     pub created_at: DateTime<Utc>,
+    /// Charged by idem itself through the configured payment provider (a `payment_method`): its refunds go
+    /// to the provider. A payment recorded with a provider's name names a charge made elsewhere, and its
+    /// refunds are recorded in idem only.
+    pub through_provider: bool,
 }
 
 /// Result of inserting a payment that may already exist under the same (provider, external_payment_id).
@@ -209,8 +213,14 @@ pub struct IdempotencyRecord {
 pub struct PhaseHold {
     /// The attempt holding it (1 for the first, one more per takeover): the fencing token.
     pub attempt: u32,
-    /// When its lease lapses unless renewed.
+    /// When its lease lapses unless renewed, on the database's clock (as read; a write's own estimate).
     pub lease_until: DateTime<Utc>,
+    /// The lease a write holds: from the database's clock at the write, never a host's (a host whose clock
+    /// is ahead would otherwise take over a live lease, or write one that is already lapsed).
+    pub lease: std::time::Duration,
+    /// After an unknown outcome: the earliest next call (the other side's `Retry-After`, else a backoff), on
+    /// the database's clock; no attempt takes the record over before it (as read; writes leave it).
+    pub not_before: Option<DateTime<Utc>>,
     /// The last recovery point reached.
     pub recovery_point: String,
     /// The request that started it, kept with the first hold so the completer can drive it to completion
@@ -289,6 +299,18 @@ pub enum ClaimOutcome {
     Claimed,
     /// A live record exists for the key; the caller decides (replay, conflict, in flight).
     Existing(IdempotencyRecord),
+}
+
+/// Outcome of [`crate::IdempotencyRepository::take_over`], decided on the database's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TakeOver {
+    /// The next attempt holds the record now.
+    Taken,
+    /// Its lease is live (or it was renewed, completed or taken over meanwhile): in flight.
+    Held,
+    /// Its last call's outcome is unknown and the other side asked to wait (or a backoff runs): no call
+    /// before this much longer.
+    NotBefore(std::time::Duration),
 }
 
 /// A message to publish through the transactional outbox.

@@ -8,7 +8,7 @@ use crate::error::StoreError;
 use crate::records::{
     ClaimOutcome, HeldRequest, IdempotencyClaim, IdempotencyRecord, LapsedRecord, NewOutboxMessage, NewPayment,
     NewPendingPayment, NewRefund, OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent,
-    RefundRecord, SagaStepClaim, StoredResponse,
+    RefundRecord, SagaStepClaim, StoredResponse, TakeOver,
 };
 
 /// Begins units of work. One implementation per store; it is a cheap handle, shared by value.
@@ -298,17 +298,24 @@ pub trait IdempotencyRepository: Send {
         Err(StoreError::Other("this store does not hold records between phases".into()))
     }
 
-    /// Takes over a record held by `attempt` whose lease lapsed at `now`: the next attempt holds it with
-    /// `lease_until`. False when it was renewed, completed or taken over meanwhile.
+    /// Takes over a record held by `attempt` whose lease lapsed and whose `not_before` passed, both on the
+    /// database's clock: the next attempt holds it for `lease` from the database's now.
     async fn take_over(
         &mut self,
         scope: &str,
         key: &str,
         attempt: u32,
-        lease_until: DateTime<Utc>,
-        now: DateTime<Utc>,
-    ) -> Result<bool, StoreError> {
-        let _ = (scope, key, attempt, lease_until, now);
+        lease: Duration,
+    ) -> Result<TakeOver, StoreError> {
+        let _ = (scope, key, attempt, lease);
+        Err(StoreError::Other("this store does not hold records between phases".into()))
+    }
+
+    /// After an unknown outcome of `attempt`'s call: its lease ends now and no attempt may call again
+    /// before `wait` from the database's now (the other side's `Retry-After`, else a backoff). False when
+    /// another attempt took the record over.
+    async fn defer(&mut self, scope: &str, key: &str, attempt: u32, wait: Duration) -> Result<bool, StoreError> {
+        let _ = (scope, key, attempt, wait);
         Err(StoreError::Other("this store does not hold records between phases".into()))
     }
 

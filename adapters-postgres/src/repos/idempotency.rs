@@ -6,7 +6,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use idem_ports::{
     ClaimOutcome, HeldRequest, IdempotencyClaim, IdempotencyRecord, IdempotencyRepository, IdempotencyState,
-    LapsedRecord, PhaseHold, StoreError, StoredRequest, StoredResponse,
+    LapsedRecord, PhaseHold, StoreError, StoredRequest, StoredResponse, TakeOver,
 };
 
 use crate::PgUnitOfWork;
@@ -62,7 +62,7 @@ impl IdempotencyRepository for PgUnitOfWork {
                        created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at,
                        -- the row as a fresh claim inserts it (as after the cleaner): the expired request's
                        -- attempt and lease would refuse this one's first hold as "taken over"
-                       attempt = 0, lease_until = NULL, recovery_point = NULL, request_method = NULL,
+                       attempt = 0, lease_until = NULL, not_before = NULL, recovery_point = NULL, request_method = NULL,
                        request_uri = NULL, request_content_type = NULL, request_body = NULL,
                        completer_runs = 0, parked_at = NULL, parked_reason = NULL
                    WHERE r.expires_at <= $6 AND (r.state = 'completed' OR r.lease_until IS NULL)
@@ -124,7 +124,7 @@ impl IdempotencyRepository for PgUnitOfWork {
                    SET command_hash = EXCLUDED.command_hash, state = 'completed',
                        status_code = EXCLUDED.status_code, response_headers = EXCLUDED.response_headers,
                        response_body = EXCLUDED.response_body, created_at = EXCLUDED.created_at,
-                       expires_at = EXCLUDED.expires_at, attempt = 0, lease_until = NULL,
+                       expires_at = EXCLUDED.expires_at, attempt = 0, lease_until = NULL, not_before = NULL,
                        recovery_point = NULL, request_method = NULL, request_uri = NULL,
                        request_content_type = NULL, request_body = NULL, completer_runs = 0, parked_at = NULL,
                        parked_reason = NULL
@@ -157,7 +157,8 @@ impl IdempotencyRepository for PgUnitOfWork {
         // the first hold of a claim (attempt 0 in the row) or a renewal by the attempt that holds it
         let request = hold.request.as_ref();
         let held = sqlx::query!(
-            r#"UPDATE idempotency_record SET attempt = $3, lease_until = $4, recovery_point = $5,
+            r#"UPDATE idempotency_record SET attempt = $3,
+                      lease_until = clock_timestamp() + make_interval(secs => $4::float8), recovery_point = $5,
                       request_method = coalesce($6, request_method), request_uri = coalesce($7, request_uri),
                       request_content_type = CASE WHEN $6::text IS NULL THEN request_content_type ELSE $8 END,
                       request_body = coalesce($9, request_body)
@@ -166,7 +167,7 @@ impl IdempotencyRepository for PgUnitOfWork {
             scope,
             key,
             attempt,
-            hold.lease_until,
+            hold.lease.as_secs_f64(),
             hold.recovery_point,
             request.map(|r| r.method.as_str()),
             request.map(|r| r.uri.as_str()),
@@ -184,24 +185,62 @@ impl IdempotencyRepository for PgUnitOfWork {
         scope: &str,
         key: &str,
         attempt: u32,
-        lease_until: DateTime<Utc>,
-        now: DateTime<Utc>,
-    ) -> Result<bool, StoreError> {
+        lease: Duration,
+    ) -> Result<TakeOver, StoreError> {
         let attempt = attempt_column(attempt)?;
+        // both instants on the database's clock: a host whose clock is ahead cannot take over a live lease
         let taken = sqlx::query!(
-            r#"UPDATE idempotency_record SET attempt = attempt + 1, lease_until = $4
-               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt = $3 AND lease_until <= $5
+            r#"UPDATE idempotency_record
+               SET attempt = attempt + 1, lease_until = clock_timestamp() + make_interval(secs => $4::float8),
+                   not_before = NULL
+               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt = $3
+                 AND lease_until <= clock_timestamp() AND (not_before IS NULL OR not_before <= clock_timestamp())
                  AND parked_at IS NULL"#,
             scope,
             key,
             attempt,
-            lease_until,
-            now,
+            lease.as_secs_f64(),
         )
         .execute(self.db())
         .await
         .map_err(|e| self.failed(e))?;
-        Ok(taken.rows_affected() == 1)
+        if taken.rows_affected() == 1 {
+            return Ok(TakeOver::Taken);
+        }
+        let wait = sqlx::query_scalar!(
+            r#"SELECT extract(epoch FROM not_before - clock_timestamp())::float8 AS "wait!"
+               FROM idempotency_record
+               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt = $3
+                 AND lease_until <= clock_timestamp() AND not_before > clock_timestamp()"#,
+            scope,
+            key,
+            attempt,
+        )
+        .fetch_optional(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        Ok(match wait {
+            Some(secs) => TakeOver::NotBefore(Duration::from_secs_f64(secs.max(0.0))),
+            None => TakeOver::Held,
+        })
+    }
+
+    async fn defer(&mut self, scope: &str, key: &str, attempt: u32, wait: Duration) -> Result<bool, StoreError> {
+        let attempt = attempt_column(attempt)?;
+        let deferred = sqlx::query!(
+            r#"UPDATE idempotency_record
+               SET lease_until = clock_timestamp(),
+                   not_before = clock_timestamp() + make_interval(secs => $4::float8)
+               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt = $3"#,
+            scope,
+            key,
+            attempt,
+            wait.as_secs_f64(),
+        )
+        .execute(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        Ok(deferred.rows_affected() == 1)
     }
 
     async fn owns(&mut self, scope: &str, key: &str, attempt: u32) -> Result<bool, StoreError> {
@@ -232,6 +271,7 @@ impl IdempotencyRepository for PgUnitOfWork {
                FROM idempotency_record
                WHERE state = 'in_flight' AND lease_until IS NOT NULL AND parked_at IS NULL
                  AND lease_until <= $1::timestamptz - make_interval(secs => least($2::float8 * power(2, least(completer_runs, 30)), $3::float8))
+                 AND (not_before IS NULL OR not_before <= clock_timestamp())
                ORDER BY created_at
                LIMIT $4
                FOR UPDATE SKIP LOCKED"#,
@@ -326,6 +366,7 @@ pub(crate) struct RecordRow {
     expires_at: DateTime<Utc>,
     attempt: i32,
     lease_until: Option<DateTime<Utc>>,
+    not_before: Option<DateTime<Utc>>,
     recovery_point: Option<String>,
 }
 
@@ -348,7 +389,7 @@ pub(crate) async fn read_with_standby(
 ) -> Result<Option<(RecordRow, bool)>, sqlx::Error> {
     let row = sqlx::query!(
         r#"SELECT scope, key, command_hash, state, status_code, response_headers, response_body,
-                  created_at, expires_at, attempt, lease_until, recovery_point,
+                  created_at, expires_at, attempt, lease_until, not_before, recovery_point,
                   current_setting('synchronous_standby_names') <> '' AS "synchronous!"
            FROM idempotency_record WHERE scope = $1 AND key = $2"#,
         scope,
@@ -369,6 +410,7 @@ pub(crate) async fn read_with_standby(
             expires_at: r.expires_at,
             attempt: r.attempt,
             lease_until: r.lease_until,
+            not_before: r.not_before,
             recovery_point: r.recovery_point,
         };
         (record, r.synchronous)
@@ -408,6 +450,8 @@ impl RecordRow {
                 (Some(lease_until), Some(recovery_point)) if state == IdempotencyState::InFlight => Some(PhaseHold {
                     attempt: u32::try_from(self.attempt).unwrap_or_default(),
                     lease_until,
+                    lease: Duration::ZERO,
+                    not_before: self.not_before,
                     recovery_point,
                     request: None,
                 }),

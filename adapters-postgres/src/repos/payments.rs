@@ -23,6 +23,7 @@ struct PaymentRow {
     status: String,
     refunded_amount: Decimal,
     created_at: DateTime<Utc>,
+    through_provider: bool,
 }
 
 impl TryFrom<PaymentRow> for PaymentRecord {
@@ -43,6 +44,7 @@ impl TryFrom<PaymentRow> for PaymentRecord {
             status,
             refunded_amount: r.refunded_amount,
             created_at: r.created_at,
+            through_provider: r.through_provider,
         })
     }
 }
@@ -69,7 +71,7 @@ impl PgUnitOfWork {
                    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $10)
                    ON CONFLICT (provider, external_payment_id) DO NOTHING
                    RETURNING id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
-                             currency, status, refunded_amount, created_at
+                             currency, status, refunded_amount, created_at, through_provider
                ), announced AS (
                    INSERT INTO outbox_message (id, topic, aggregatetype, aggregateid, type, payload, headers,
                                                saga_id, created_at)
@@ -78,7 +80,8 @@ impl PgUnitOfWork {
                SELECT id AS "id!", merchant_id AS "merchant_id!", order_id AS "order_id!",
                       customer_id AS "customer_id!", provider AS "provider!", external_payment_id,
                       amount AS "amount!", currency AS "currency!", status AS "status!",
-                      refunded_amount AS "refunded_amount!", created_at AS "created_at!"
+                      refunded_amount AS "refunded_amount!", created_at AS "created_at!",
+                      through_provider AS "through_provider!"
                FROM inserted"#,
             p.id,
             p.merchant_id,
@@ -118,7 +121,7 @@ impl PgUnitOfWork {
         let existing = sqlx::query_as!(
             PaymentRow,
             r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
-                      currency AS "currency!", status, refunded_amount, created_at
+                      currency AS "currency!", status, refunded_amount, created_at, through_provider
                FROM payment WHERE provider = $1 AND external_payment_id = $2"#,
             p.provider,
             p.external_payment_id,
@@ -142,7 +145,7 @@ impl PaymentRepository for PgUnitOfWork {
                                    amount, currency, status, created_at, updated_at)
                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $10)
                RETURNING id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
-                         currency AS "currency!", status, refunded_amount, created_at"#,
+                         currency AS "currency!", status, refunded_amount, created_at, through_provider"#,
             p.id,
             p.merchant_id,
             p.order_id,
@@ -168,7 +171,7 @@ impl PaymentRepository for PgUnitOfWork {
                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $10)
                ON CONFLICT (provider, external_payment_id) DO NOTHING
                RETURNING id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
-                         currency AS "currency!", status, refunded_amount, created_at"#,
+                         currency AS "currency!", status, refunded_amount, created_at, through_provider"#,
             p.id,
             p.merchant_id,
             p.order_id,
@@ -209,7 +212,7 @@ impl PaymentRepository for PgUnitOfWork {
                          currency, status, created_at)
                ON CONFLICT (provider, external_payment_id) DO NOTHING
                RETURNING id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
-                         currency AS "currency!", status, refunded_amount, created_at"#,
+                         currency AS "currency!", status, refunded_amount, created_at, through_provider"#,
             &ids,
             &col(|p| p.merchant_id.clone()),
             &orders,
@@ -237,7 +240,7 @@ impl PaymentRepository for PgUnitOfWork {
             let rows = sqlx::query_as!(
                 PaymentRow,
                 r#"SELECT p.id, p.merchant_id, p.order_id, p.customer_id, p.provider, p.external_payment_id, p.amount,
-                          p.currency AS "currency!", p.status, p.refunded_amount, p.created_at
+                          p.currency AS "currency!", p.status, p.refunded_amount, p.created_at, p.through_provider
                    FROM payment p
                    JOIN UNNEST($1::text[], $2::text[]) AS k(provider, external_payment_id)
                      ON p.provider = k.provider AND p.external_payment_id = k.external_payment_id"#,
@@ -270,7 +273,7 @@ impl PaymentRepository for PgUnitOfWork {
         let row = sqlx::query_as!(
             PaymentRow,
             r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
-                      currency AS "currency!", status, refunded_amount, created_at
+                      currency AS "currency!", status, refunded_amount, created_at, through_provider
                FROM payment WHERE id = $1"#,
             id,
         )
@@ -288,7 +291,7 @@ impl PaymentRepository for PgUnitOfWork {
         let row = sqlx::query_as!(
             PaymentRow,
             r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
-                      currency AS "currency!", status, refunded_amount, created_at
+                      currency AS "currency!", status, refunded_amount, created_at, through_provider
                FROM payment WHERE id = $1 AND ($2::text IS NULL OR merchant_id = $2) FOR UPDATE"#,
             id,
             merchant_id,
@@ -307,7 +310,7 @@ impl PaymentRepository for PgUnitOfWork {
         let row = sqlx::query_as!(
             PaymentRow,
             r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
-                      currency AS "currency!", status, refunded_amount, created_at
+                      currency AS "currency!", status, refunded_amount, created_at, through_provider
                FROM payment WHERE merchant_id = $1 AND order_id = $2
                ORDER BY created_at DESC, id DESC LIMIT 1 FOR UPDATE"#,
             merchant_id,
@@ -324,11 +327,11 @@ impl PaymentRepository for PgUnitOfWork {
         sqlx::query_as!(
             PaymentRow,
             r#"INSERT INTO payment (id, merchant_id, order_id, customer_id, provider, external_payment_id,
-                                   amount, currency, status, created_at, updated_at)
-               VALUES ($1, $2, $3, $4, $5, NULL, $6, $7, 'pending', $8, $8)
+                                   amount, currency, status, created_at, updated_at, through_provider)
+               VALUES ($1, $2, $3, $4, $5, NULL, $6, $7, 'pending', $8, $8, true)
                ON CONFLICT (id) DO UPDATE SET id = payment.id
                RETURNING id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
-                         currency AS "currency!", status, refunded_amount, created_at"#,
+                         currency AS "currency!", status, refunded_amount, created_at, through_provider"#,
             p.id,
             p.merchant_id,
             p.order_id,
@@ -355,7 +358,7 @@ impl PaymentRepository for PgUnitOfWork {
             r#"UPDATE payment SET status = 'captured', external_payment_id = $2, updated_at = $3
                WHERE id = $1 AND status = 'pending'
                RETURNING id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
-                         currency AS "currency!", status, refunded_amount, created_at"#,
+                         currency AS "currency!", status, refunded_amount, created_at, through_provider"#,
             id,
             external_payment_id,
             now,
@@ -372,7 +375,7 @@ impl PaymentRepository for PgUnitOfWork {
             r#"UPDATE payment SET status = 'declined', updated_at = $2
                WHERE id = $1 AND status = 'pending'
                RETURNING id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
-                         currency AS "currency!", status, refunded_amount, created_at"#,
+                         currency AS "currency!", status, refunded_amount, created_at, through_provider"#,
             id,
             now,
         )
@@ -397,7 +400,7 @@ impl PaymentRepository for PgUnitOfWork {
         let row = sqlx::query_as!(
             PaymentRow,
             r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
-                      currency AS "currency!", status, refunded_amount, created_at
+                      currency AS "currency!", status, refunded_amount, created_at, through_provider
                FROM payment WHERE provider = $1 AND external_payment_id = $2 FOR UPDATE"#,
             provider,
             external_payment_id,

@@ -177,6 +177,7 @@ fn as_stored(p: &NewPayment) -> PaymentRecord {
         status: p.status,
         refunded_amount: rust_decimal::Decimal::ZERO,
         created_at: p.created_at,
+        through_provider: false,
     }
 }
 

@@ -56,33 +56,6 @@ fn malformed(e: impl std::fmt::Display) -> HandlerError {
     HandlerError::Malformed(e.to_string())
 }
 
-/// Describes a JSON error without the values it quotes: the text goes to logs and to the dead-letter
-/// `dlq.error` header, where payload values (amounts, ids, names) must not appear. Field names are schema,
-/// not data, and stay.
-fn malformed_json(e: &serde_json::Error) -> HandlerError {
-    use serde_json::error::Category;
-    let what = match e.classify() {
-        Category::Syntax => "the body is not valid JSON".to_owned(),
-        Category::Eof => "the body ends early".to_owned(),
-        Category::Io => "the body could not be read".to_owned(),
-        Category::Data => {
-            let text = e.to_string();
-            let named =
-                |prefix: &str| text.strip_prefix(prefix).and_then(|rest| rest.split('`').next()).map(str::to_owned);
-            if let Some(field) = named("missing field `") {
-                format!("missing field {field}")
-            } else if let Some(field) = named("unknown field `") {
-                format!("unknown field {field}")
-            } else if text.starts_with("unknown variant") {
-                "unknown event type".to_owned()
-            } else {
-                "a field has the wrong type or an invalid value".to_owned()
-            }
-        }
-    };
-    HandlerError::Malformed(format!("{what} (line {}, column {})", e.line(), e.column()))
-}
-
 impl OrderEventHandler {
     fn env(&self) -> Env<'_> {
         Env { clock: &*self.clock, ids: &*self.ids, payments_topic: &self.payments_topic }
@@ -120,7 +93,7 @@ pub const MAX_ORDER_VERSION: i64 = 1_000_000;
 impl OrderEventHandler {
     /// Validates an event completely before anything is written.
     fn parse(&self, event: &InboundEvent) -> Result<Parsed, HandlerError> {
-        let body: OrderEvent = serde_json::from_slice(&event.payload).map_err(|e| malformed_json(&e))?;
+        let body: OrderEvent = crate::json::read(&event.payload).map_err(HandlerError::Malformed)?;
         let (order_id, version) = match &body {
             OrderEvent::OrderPlaced { order_id, version, .. } | OrderEvent::OrderCancelled { order_id, version } => {
                 (*order_id, *version)
@@ -387,7 +360,7 @@ mod tests {
             (
                 format!(r#"{{"type":"OrderRefunded","order_id":"{order}","note":"SECRET-NAME"}}"#),
                 "OrderRefunded",
-                "unknown event type",
+                "unknown type or variant",
             ),
             (format!(r#"{{"type":"OrderCancelled","order_id":"{order}"}}"#), order, "missing field version"),
             // issue 38.5: a version no order history reaches would freeze the projection; nothing is written

@@ -127,6 +127,7 @@ mod tests {
             status: PaymentStatus::Captured,
             refunded_amount: Decimal::ZERO,
             created_at: DateTime::from_timestamp(0, 0).expect("valid"),
+            through_provider: false,
         }
     }
 

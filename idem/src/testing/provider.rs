@@ -31,6 +31,8 @@ pub struct StandIn {
     pub fail_status: AtomicU16,
     /// How many next calls fail.
     pub failures: AtomicUsize,
+    /// The failed calls' `Retry-After` in seconds (0: none).
+    pub fail_retry_after: AtomicU64,
     /// Refunds by idempotency key: the request's parameters and the answer.
     refunds: Mutex<HashMap<String, (Value, Value)>>,
     /// Refunds made.
@@ -78,10 +80,11 @@ impl StandIn {
     }
 }
 
-type Answer = (StatusCode, Json<Value>);
+/// A status, its headers (a `Retry-After`) and a JSON body.
+type Answer = (StatusCode, HeaderMap, Json<Value>);
 
 fn error(status: StatusCode, kind: &str, code: &str) -> Answer {
-    (status, Json(json!({"error": {"type": kind, "code": code}})))
+    (status, HeaderMap::new(), Json(json!({"error": {"type": kind, "code": code}})))
 }
 
 impl StandIn {
@@ -89,12 +92,13 @@ impl StandIn {
     async fn answer(&self, answer: Result<Value, Answer>) -> Answer {
         tokio::time::sleep(Duration::from_millis(self.delay_ms.load(SeqCst))).await;
         match answer {
-            Ok(answer) => (StatusCode::OK, Json(answer)),
+            Ok(answer) => (StatusCode::OK, HeaderMap::new(), Json(answer)),
             Err(refusal) => refusal,
         }
     }
 
     /// What every call goes through first: counted, authenticated, keyed, and failed when told to.
+    #[allow(clippy::result_large_err)] // one per call of a test double
     fn admit(&self, headers: &HeaderMap) -> Result<String, Answer> {
         self.calls.fetch_add(1, SeqCst);
         let bearer = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
@@ -108,7 +112,12 @@ impl StandIn {
             self.failures.fetch_sub(1, SeqCst);
             let status =
                 StatusCode::from_u16(self.fail_status.load(SeqCst)).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            return Err(error(status, "api_error", "injected"));
+            let mut failed = error(status, "api_error", "injected");
+            let wait = self.fail_retry_after.load(SeqCst);
+            if wait > 0 {
+                failed.1.insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from(wait));
+            }
+            return Err(failed);
         }
         Ok(key)
     }
@@ -124,11 +133,7 @@ pub async fn start(api_key: &str) -> anyhow::Result<(Arc<StandIn>, String)> {
     Ok((state, super::serve(router).await?))
 }
 
-async fn charge(
-    State(p): State<Arc<StandIn>>,
-    headers: HeaderMap,
-    Json(params): Json<Value>,
-) -> (StatusCode, Json<Value>) {
+async fn charge(State(p): State<Arc<StandIn>>, headers: HeaderMap, Json(params): Json<Value>) -> Answer {
     let key = match p.admit(&headers) {
         Ok(key) => key,
         Err(refusal) => return refusal,
@@ -159,11 +164,7 @@ async fn charge(
 
 /// `POST /v1/refunds`: a refund of a charge made here, at most what is left of it; a repeated key with the
 /// same parameters gets the first answer.
-async fn refund(
-    State(p): State<Arc<StandIn>>,
-    headers: HeaderMap,
-    Json(params): Json<Value>,
-) -> (StatusCode, Json<Value>) {
+async fn refund(State(p): State<Arc<StandIn>>, headers: HeaderMap, Json(params): Json<Value>) -> Answer {
     let key = match p.admit(&headers) {
         Ok(key) => key,
         Err(refusal) => return refusal,

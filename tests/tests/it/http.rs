@@ -1482,9 +1482,18 @@ fn claim_at(key: &str, now: chrono::DateTime<chrono::Utc>) -> idem_ports::Idempo
     }
 }
 
-/// Attempt `attempt`'s hold at the recovery point `charge`, its lease until `lease_until`.
+/// Attempt `attempt`'s hold at the recovery point `charge`, its lease until about `lease_until` (the
+/// database's clock counts the lease: one in the past is lapsed at once).
 fn hold(attempt: u32, lease_until: chrono::DateTime<chrono::Utc>) -> idem_ports::PhaseHold {
-    idem_ports::PhaseHold { attempt, lease_until, recovery_point: "charge".into(), request: None }
+    let lease = (lease_until - chrono::Utc::now()).to_std().unwrap_or_default();
+    idem_ports::PhaseHold {
+        attempt,
+        lease_until,
+        lease,
+        not_before: None,
+        recovery_point: "charge".into(),
+        request: None,
+    }
 }
 
 /// Issue 33 (toolkit): the store's fencing. A record held by attempt 1 whose lease lapsed is taken over by
@@ -1499,8 +1508,15 @@ async fn a_late_original_is_fenced_out_after_a_takeover() -> anyhow::Result<()> 
     assert!(uow.idempotency().hold("m", "fenced", &hold(1, now - chrono::Duration::seconds(1))).await?);
     uow.commit().await?;
     let mut uow = db.store.begin().await?;
-    assert!(uow.idempotency().take_over("m", "fenced", 1, now + chrono::Duration::seconds(30), now).await?);
-    assert!(!uow.idempotency().take_over("m", "fenced", 1, now + chrono::Duration::seconds(30), now).await?, "twice");
+    assert_eq!(
+        uow.idempotency().take_over("m", "fenced", 1, Duration::from_secs(30)).await?,
+        idem_ports::TakeOver::Taken
+    );
+    assert_eq!(
+        uow.idempotency().take_over("m", "fenced", 1, Duration::from_secs(30)).await?,
+        idem_ports::TakeOver::Held,
+        "twice"
+    );
     uow.commit().await?;
     let mut uow = db.store.begin().await?;
     assert!(!uow.idempotency().owns("m", "fenced", 1).await?, "the late original entered its second phase");
@@ -1536,7 +1552,10 @@ async fn a_key_reused_after_its_record_expired_holds_a_lease_again() -> anyhow::
     assert!(uow.idempotency().hold("m", "reused", &hold(1, now - chrono::Duration::seconds(1))).await?);
     uow.commit().await?;
     let mut uow = db.store.begin().await?;
-    assert!(uow.idempotency().take_over("m", "reused", 1, now + chrono::Duration::seconds(30), now).await?);
+    assert_eq!(
+        uow.idempotency().take_over("m", "reused", 1, Duration::from_secs(30)).await?,
+        idem_ports::TakeOver::Taken
+    );
     uow.idempotency().complete("m", "reused", &response).await?;
     uow.commit().await?;
     // its retention ends; the cleaner has not come yet

@@ -36,13 +36,24 @@ fn reference_router(
     call_timeout: Duration,
     lease: Duration,
 ) -> anyhow::Result<axum::Router> {
+    reference_router_on(store, provider_base, call_timeout, lease, Arc::new(SystemClock))
+}
+
+/// [`reference_router`] on a host whose clock is `clock`.
+fn reference_router_on(
+    store: &PgStore,
+    provider_base: &str,
+    call_timeout: Duration,
+    lease: Duration,
+    clock: Arc<dyn idem_ports::Clock>,
+) -> anyhow::Result<axum::Router> {
     let provider: Arc<dyn PaymentProvider> =
         Arc::new(HttpPaymentProvider::new("standin", provider_base, PROVIDER_KEY, call_timeout)?);
     let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
     let state = ApiState {
         tm: tm.clone(),
         payments_of: idem_postgres::payments_of,
-        clock: Arc::new(SystemClock),
+        clock: clock.clone(),
         ids: Arc::new(UuidV7Generator),
         payments_topic: "payments".into(),
         provider: Some(provider),
@@ -50,19 +61,16 @@ fn reference_router(
     let mut config =
         IdempotencyConfig::new(TtlPolicy::new(Duration::from_secs(48 * 3600))?, idem_http::merchant_scope());
     config.lease = lease;
-    let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), config);
+    let layer = IdempotencyLayer::new(tm, clock, config);
     let keys = Arc::new(ApiKeys::parse(&format!("merchant_a:{API_KEY}")).map_err(anyhow::Error::msg)?);
-    let webhooks = idem_http::webhooks::WebhookState {
-        api: state.clone(),
-        provider: "standin".into(),
-        secret: WEBHOOK_SECRET.as_bytes().into(),
-    };
+    let webhooks = idem_http::webhooks::WebhookState::new(state.clone(), "standin".into(), WEBHOOK_SECRET.as_bytes())?;
     Ok(idem_http::router(state, keys, layer).merge(idem_http::webhooks::router(webhooks)))
 }
 
 struct Reply {
     status: u16,
     replayed: bool,
+    retry_after: Option<u64>,
     body: Value,
     raw: Vec<u8>,
 }
@@ -77,8 +85,10 @@ async fn charge(base: &str, key: &str, body: &Value) -> anyhow::Result<Reply> {
         .await?;
     let status = resp.status().as_u16();
     let replayed = resp.headers().get("idempotent-replayed").is_some_and(|v| v == "true");
+    let retry_after =
+        resp.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     let raw = resp.bytes().await?.to_vec();
-    Ok(Reply { status, replayed, body: serde_json::from_slice(&raw).unwrap_or(Value::Null), raw })
+    Ok(Reply { status, replayed, retry_after, body: serde_json::from_slice(&raw).unwrap_or(Value::Null), raw })
 }
 
 fn card(payment_method: &str, amount: &str) -> Value {
@@ -204,6 +214,14 @@ async fn unknown_outcomes_are_resumed_by_the_retry_with_one_charge() -> anyhow::
         assert_eq!(pending, 1, "{name}: the payment waits, pending");
         standin.delay_ms.store(0, SeqCst);
         let mut retried = charge(&base, &key, &body).await?;
+        if fail > 0 {
+            // answered, nothing in process: no call again before the backoff (issue 44), and nothing sent
+            let calls = standin.calls.load(SeqCst);
+            assert_eq!((retried.status, retried.retry_after), (503, Some(1)), "{name}: {}", retried.body);
+            assert_eq!(standin.calls.load(SeqCst), calls, "{name}: a retry within the wait called the provider");
+            tokio::time::sleep(Duration::from_millis(1100)).await;
+            retried = charge(&base, &key, &body).await?;
+        }
         if delay > 0 {
             // no answer: the call may still be in process at the provider, so the lease is kept
             assert_eq!(retried.status, 409, "{name}: a retry before the lease lapsed: {}", retried.body);
@@ -241,6 +259,7 @@ async fn a_refused_connection_then_another_instance_and_a_race_charge_once() -> 
     let refused = charge(&down, "provider-refused-1", &body).await?;
     assert_eq!(refused.status, 503, "{}", refused.body);
     assert_eq!(standin.calls.load(SeqCst), 0);
+    tokio::time::sleep(Duration::from_secs(refused.retry_after.unwrap_or(1)) + Duration::from_millis(100)).await;
     let resumed = charge(&up, "provider-refused-1", &body).await?;
     assert_eq!(resumed.status, 201, "{}", resumed.body);
 
@@ -287,6 +306,8 @@ async fn the_completer_finishes_parks_and_the_operator_resumes_or_abandons() -> 
             standin.failures.store(1, SeqCst);
             let reply = charge(&base, key, &body).await?;
             anyhow::ensure!(reply.status == 503, "{}", reply.body);
+            // nothing is re-sent before the wait after an unknown outcome (issue 44)
+            tokio::time::sleep(Duration::from_millis(1100)).await;
             Ok::<_, anyhow::Error>(body)
         }
     };
@@ -583,5 +604,184 @@ async fn an_order_with_a_payment_method_is_charged_once_through_the_completer() 
     let (merchant, status): (String, String) =
         sqlx::query_as("SELECT merchant_id, status FROM payment").fetch_one(db.pool()).await?;
     assert_eq!((merchant.as_str(), status.as_str()), ("orders", "captured"));
+    assert_money_conserved(&db, &standin).await
+}
+
+/// Issue 44: an unauthenticated webhook cost seconds of CPU on the async workers (thousands of `v1`
+/// entries, each a MAC over a 2 MB body), stalling every route. The route reads at most 256 KiB (`413`
+/// beyond, before any MAC), takes at most four `v1`s, and computes one MAC: three worst-case requests at once
+/// leave `/healthz` answering promptly.
+#[tokio::test]
+async fn hostile_webhooks_cost_one_mac_and_leave_the_service_answering() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let (_standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let router = reference_router(&db.store, &provider, Duration::from_secs(2), Duration::from_secs(30))?
+        .route("/healthz", axum::routing::get(|| async { "ok" }));
+    let base = idem_tests::serve(router).await?;
+    let now = chrono::Utc::now().timestamp();
+    let junk = move |n: usize| {
+        let mut h = format!("t={now}");
+        for _ in 0..n {
+            h.push_str(&format!(",v1={}", "ab".repeat(32)));
+        }
+        h
+    };
+    let target = base.clone();
+    let post = move |body: Vec<u8>, header: String| {
+        let base = target.clone();
+        async move {
+            let resp = reqwest::Client::new()
+                .post(format!("{base}/webhooks/payment-provider"))
+                .header("provider-signature", header)
+                .body(body)
+                .send()
+                .await?;
+            Ok::<_, anyhow::Error>(resp.status().as_u16())
+        }
+    };
+    // the review's request: 2 MB and as many entries as a 16 KiB head holds
+    assert_eq!(post(vec![b' '; 2 << 20], junk(200)).await?, 413, "a body over the webhook's own limit");
+    assert_eq!(post(vec![b' '; 1024], junk(5)).await?, 400, "more than four signatures");
+    let worst = move || post.clone()(vec![b' '; idem_http::webhooks::MAX_BODY], junk(4));
+    let started = std::time::Instant::now();
+    let hostile = tokio::spawn(async move {
+        let (a, b, c) = tokio::join!(worst(), worst(), worst());
+        Ok::<_, anyhow::Error>([a?, b?, c?])
+    });
+    let mut slowest = Duration::ZERO;
+    while !hostile.is_finished() {
+        let asked = std::time::Instant::now();
+        let ok = reqwest::get(format!("{base}/healthz")).await?.status().as_u16();
+        assert_eq!(ok, 200);
+        slowest = slowest.max(asked.elapsed());
+    }
+    assert_eq!(hostile.await??, [401, 401, 401], "well formed, wrong signatures");
+    // before: ~8.5 s per /healthz beside three such requests; a MAC over 256 KiB takes about a millisecond
+    assert!(slowest < Duration::from_secs(1), "/healthz took {slowest:?} beside hostile webhooks");
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    Ok(())
+}
+
+/// Issue 44: a merchant recorded, with the platform's key, a charge made outside idem under the configured
+/// provider's name and refunded it: the provider received the refund. The recording flow now refuses the
+/// provider's name, and a payment idem did not charge itself (a row from before, an order event) is
+/// refunded in idem only — the provider receives nothing.
+#[tokio::test]
+async fn a_charge_idem_did_not_make_is_never_refunded_at_the_provider() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let base = instance(&db.store, &provider, Duration::from_secs(2), Duration::from_secs(30)).await?;
+    let foreign = json!({
+        "order_id": uuid::Uuid::now_v7(), "customer_id": uuid::Uuid::now_v7(), "provider": "standin",
+        "external_payment_id": "ch_made_elsewhere", "amount": "500.00", "currency": "EUR",
+    });
+    let recorded = charge(&base, "foreign-1", &foreign).await?;
+    assert_eq!(recorded.status, 422, "{}", recorded.body);
+    assert!(recorded.raw.windows(8).any(|w| w == b"provider"), "names the field: {}", recorded.body);
+    // a payment under the provider's name that idem did not charge (recorded before this rule)
+    let id = uuid::Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO payment (id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                              currency, status, created_at, updated_at)
+         VALUES ($1, 'merchant_a', $2, $3, 'standin', 'ch_made_elsewhere', 500, 'EUR', 'captured', now(), now())",
+    )
+    .bind(id)
+    .bind(uuid::Uuid::now_v7())
+    .bind(uuid::Uuid::now_v7())
+    .execute(db.pool())
+    .await?;
+    let refund = reqwest::Client::new()
+        .post(format!("{base}/payments/{id}/refund"))
+        .bearer_auth(API_KEY)
+        .header("idempotency-key", "foreign-refund-1")
+        .json(&json!({"amount": "500.00"}))
+        .send()
+        .await?;
+    assert_eq!(refund.status().as_u16(), 201);
+    assert_eq!(standin.calls.load(SeqCst), 0, "the provider was asked to refund a charge idem did not make");
+    // a charge idem made is still refunded at the provider
+    let charged = charge(&base, "own-1", &card("pm_card_visa", "10.00")).await?;
+    assert_eq!(charged.status, 201, "{}", charged.body);
+    let own = charged.body["id"].as_str().unwrap_or_default().to_owned();
+    let refund = reqwest::Client::new()
+        .post(format!("{base}/payments/{own}/refund"))
+        .bearer_auth(API_KEY)
+        .header("idempotency-key", "own-refund-1")
+        .json(&json!({"amount": "10.00"}))
+        .send()
+        .await?;
+    assert_eq!(refund.status().as_u16(), 201);
+    assert_eq!(standin.refunds_made.load(SeqCst), 1);
+    let own_charge = charged.body["external_payment_id"].as_str().unwrap_or_default().to_owned();
+    assert_eq!(standin.refunded_of(&own_charge), 1000, "{}", charged.body);
+    Ok(())
+}
+
+/// Issue 44: 50 retries of one key produced 50 provider calls in 2.4 s, each answered `Retry-After: 1`
+/// whatever the provider asked. The record keeps the provider's `Retry-After` on the database's clock: a
+/// retry before it is `503` with the time left and sends nothing.
+#[tokio::test]
+async fn retries_of_one_key_wait_for_the_providers_retry_after() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let base = instance(&db.store, &provider, Duration::from_secs(2), Duration::from_secs(30)).await?;
+    standin.fail_status.store(503, SeqCst);
+    standin.fail_retry_after.store(5, SeqCst);
+    standin.failures.store(1000, SeqCst);
+    let body = card("pm_card_visa", "12.00");
+    let mut waits = Vec::new();
+    for _ in 0..50 {
+        let reply = charge(&base, "storm-1", &body).await?;
+        assert_eq!(reply.status, 503, "{}", reply.body);
+        waits.push(reply.retry_after.unwrap_or_default());
+        tokio::time::sleep(Duration::from_millis(40)).await;
+    }
+    assert!(standin.calls.load(SeqCst) <= 2, "{} provider calls for one key", standin.calls.load(SeqCst));
+    assert_eq!(waits[0], 5, "the provider's Retry-After, not 1");
+    assert!(waits.iter().all(|w| (1..=5).contains(w)), "{waits:?}");
+    // held records store the request without its padding
+    let padded = format!("{}{}", " ".repeat(60_000), serde_json::to_string(&card("pm_card_visa", "1.00"))?);
+    let sent = reqwest::Client::new()
+        .post(format!("{base}/payments"))
+        .bearer_auth(API_KEY)
+        .header("idempotency-key", "padded-1")
+        .header("content-type", "application/json")
+        .body(padded)
+        .send()
+        .await?;
+    assert_eq!(sent.status().as_u16(), 503);
+    let stored: i32 = sqlx::query_scalar("SELECT length(request_body) FROM idempotency_record WHERE key = 'padded-1'")
+        .fetch_one(db.pool())
+        .await?;
+    assert!(stored < 1_000, "stored {stored} bytes of a padded body");
+    Ok(())
+}
+
+/// Issue 45: a host whose clock is 40 s ahead took over a live lease with default settings (the lease was
+/// compared with the host's clock) and called the provider while the first call still ran. Leases are
+/// written and compared on the database's clock: the skewed instance is told the request is in flight,
+/// and the provider sees one call.
+#[tokio::test]
+async fn a_host_whose_clock_is_ahead_never_takes_over_a_live_lease() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let lease = Duration::from_secs(30);
+    let base = instance(&db.store, &provider, Duration::from_secs(5), lease).await?;
+    let ahead = Arc::new(idem_tests::effects::ShiftedClock::new());
+    ahead.advance(chrono::Duration::seconds(40));
+    let skewed =
+        idem_tests::serve(reference_router_on(&db.store, &provider, Duration::from_secs(5), lease, ahead)?).await?;
+    standin.delay_ms.store(1_500, SeqCst);
+    let body = card("pm_card_visa", "40.00");
+    let first = tokio::spawn({
+        let (base, body) = (base.clone(), body.clone());
+        async move { charge(&base, "skew-1", &body).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await; // the first call is out
+    let second = charge(&skewed, "skew-1", &body).await?;
+    assert_eq!(second.status, 409, "the skewed host: {}", second.body);
+    let first = first.await??;
+    assert_eq!(first.status, 201, "{}", first.body);
+    assert_eq!(standin.calls.load(SeqCst), 1, "calls at the provider for one key");
     assert_money_conserved(&db, &standin).await
 }

@@ -593,7 +593,10 @@ fn alert_rules_pass_promtool() {
 async fn every_metric_in_the_rules_and_dashboard_exists() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let brokers = idem_tests::kafka_brokers().await?;
-    let mut service = Service::new(&db.url, &brokers);
+    // with a payment provider configured (never called here): its metrics are exported too
+    let mut service = Service::new(&db.url, &brokers)
+        .with_env("PAYMENT_PROVIDER_URL", "http://127.0.0.1:9")
+        .with_env("PAYMENT_PROVIDER_API_KEY", "sk_test_never_called_0123");
     service.start().await?;
     let text = reqwest::get(format!("{}/metrics", service.admin)).await?.text().await?;
     let mut exported = BTreeSet::new();
