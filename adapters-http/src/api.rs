@@ -451,12 +451,19 @@ pub async fn refund(
     if let Some(provider) = state.provider.clone() {
         let payment =
             (state.payments_of)(tx.uow())?.payments().get_for_update(payment_id, Some(merchant.0.to_string())).await?;
-        // only a charge idem made itself is refunded at the provider (`through_provider`)
-        if let Some(p) = payment.filter(|p| p.through_provider && p.provider == provider.name()) {
+        // only a charge idem made itself is refunded at the provider: `through_provider`, or an id of the
+        // provider flow (a UUID v8 intent id; an instance of the previous version, during a rolling deploy,
+        // writes such payments without the column)
+        if let Some(p) = payment.filter(|p| charged_here(p) && p.provider == provider.name()) {
             return refund_through_provider(&state, provider, tx, cmd, p).await;
         }
     }
     refund_answer(refund_payment((state.payments_of)(tx.uow())?, state.env(), &cmd).await)
+}
+
+/// Whether idem charged `p` itself through the provider: only such payments are refunded there.
+fn charged_here(p: &PaymentRecord) -> bool {
+    p.through_provider || p.id.get_version_num() == 8
 }
 
 /// The answer to a refund (recorded, or through the provider).

@@ -121,6 +121,13 @@ pub struct IdempotencyConfig {
     /// How long an attempt holds a record between the phases of a foreign call without renewing it
     /// (`IDEMPOTENCY_LEASE`; see [`Tx::foreign_call`]).
     pub lease: Duration,
+    /// The longest a foreign call may take (its client's timeout, plus a margin): a call starts only while
+    /// its attempt holds at least this much of its lease on the database's clock, confirmed after the first
+    /// phase committed — a commit that waited (for a synchronous standby) may be visible with its lease
+    /// already lapsed or nearly so, and another attempt could then call at the same time. Zero (the
+    /// default): the lease must only be live. Keep it below `lease` (`idem serve` sets
+    /// `PAYMENT_PROVIDER_TIMEOUT` + 1 s and refuses a shorter `IDEMPOTENCY_LEASE`).
+    pub call_bound: Duration,
     /// Whether a first send records its key at commit (one write of the record, after the handler) instead
     /// of claiming it first (a write before the handler and its completion after): `true` by default. Both
     /// keep every guarantee (`model/src/http_claim.rs`); at commit, a duplicate on another instance runs
@@ -157,6 +164,7 @@ impl IdempotencyConfig {
             replay_fast_path: FastPath::Adaptive,
             new_keys: None,
             lease: idem_domain::phases::DEFAULT_LEASE,
+            call_bound: Duration::ZERO,
             record_at_commit: true,
             fingerprint: None,
         }
@@ -403,6 +411,8 @@ struct PhaseContext {
     tm: Arc<dyn TransactionManager>,
     clock: Arc<dyn Clock>,
     lease: Duration,
+    /// [`IdempotencyConfig::call_bound`].
+    call_bound: Duration,
     /// This execution's attempt (1, or one more than the attempt it took over).
     attempt: u32,
     /// The recovery point a taken-over record had reached.
@@ -541,6 +551,26 @@ impl Tx {
                 .retry_after(1));
         }
         ctx.entered.store(true, std::sync::atomic::Ordering::Relaxed);
+        // the first phase is visible: the call starts only if this attempt still owns the record with the
+        // call's bound left on the database's clock (renewed once if not); else nothing is sent
+        match ctx.confirm_lease(step).await {
+            Ok(true) => {}
+            Ok(false) => {
+                // nothing was sent: the lease (if still this attempt's) is given up, so a retry goes on
+                let released = async {
+                    let mut uow = ctx.tm.begin().await?;
+                    uow.idempotency().defer(&ctx.claim.scope, &ctx.claim.key, ctx.attempt, Duration::ZERO).await?;
+                    uow.commit().await
+                };
+                if let Err(e) = released.await {
+                    tracing::warn!(error = %e, "could not give up a lease whose call was not sent");
+                }
+                return Err(Problem::new(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE)
+                    .detail("the request's lease could not be confirmed before its call to another system: nothing was sent; retry with the same Idempotency-Key")
+                    .retry_after(1));
+            }
+            Err(e) => return Err(phase_store_problem(&e)),
+        }
         let (renewer, step_name) = (ctx.clone(), step.to_owned());
         let renewal = tokio::spawn(async move {
             let every = (renewer.lease / 3).max(Duration::from_millis(100));
@@ -663,6 +693,31 @@ impl PhaseContext {
         }
     }
 
+    /// Whether this attempt owns the record with at least `call_bound` of its lease left, on the database's
+    /// clock: read once, and if too little is left renewed (fenced) and read again.
+    async fn confirm_lease(&self, step: &str) -> Result<bool, StoreError> {
+        let left = async {
+            let mut uow = self.tm.begin().await?;
+            let left = uow.idempotency().lease_left(&self.claim.scope, &self.claim.key, self.attempt).await?;
+            uow.commit().await?;
+            Ok::<_, StoreError>(left)
+        };
+        match left.await? {
+            None => return Ok(false),
+            Some(left) if left > self.call_bound => return Ok(true),
+            Some(_) => {}
+        }
+        let mut uow = self.tm.begin().await?;
+        if !uow.idempotency().hold(&self.claim.scope, &self.claim.key, &self.hold(step)).await? {
+            return Ok(false);
+        }
+        uow.commit().await?;
+        let mut uow = self.tm.begin().await?;
+        let left = uow.idempotency().lease_left(&self.claim.scope, &self.claim.key, self.attempt).await?;
+        uow.commit().await?;
+        Ok(left.is_some_and(|left| left > self.call_bound))
+    }
+
     /// This attempt's hold on the record at `step`, its lease from now.
     fn hold(&self, step: &str) -> PhaseHold {
         let now = self.clock.now();
@@ -678,10 +733,34 @@ impl PhaseContext {
     }
 }
 
+/// The answer of a request whose call to another system may have been sent (its first phase committed) and
+/// that then failed: whatever the failure said (`503 service-unavailable` means nothing was executed), the
+/// outcome is unknown — the other system may have acted. The record stays held; the retry resumes with the
+/// same downstream key. An answer that already says so goes out as it is.
+fn after_a_call(response: Response) -> Response {
+    if response.status() == StatusCode::SERVICE_UNAVAILABLE
+        && response.extensions().get::<ProblemKind>() == Some(&ProblemKind::OutcomeUnknown)
+    {
+        return response;
+    }
+    let retry_after = response.headers().get(header::RETRY_AFTER).cloned();
+    tracing::warn!(status = %response.status(), "a request failed after its call to another system: outcome unknown");
+    let mut unknown = Problem::new(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE)
+        .detail("the request failed after its call to another system, which may have acted: retry with the same Idempotency-Key (the retry asks it again under the same key and records its answer)")
+        .retry_after(1)
+        .into_response();
+    if let Some(value) = retry_after {
+        unknown.headers_mut().insert(header::RETRY_AFTER, value);
+    }
+    unknown
+}
+
 /// `body` without the whitespace between JSON tokens (`None`: not JSON). Strings, numbers and the order of
 /// keys are kept byte for byte, so the body means — and fingerprints — the same.
 fn compact_json(body: &[u8]) -> Option<Vec<u8>> {
-    serde_json::from_slice::<serde::de::IgnoredAny>(body).ok()?;
+    // as the fingerprint reads it (`Value` refuses invalid UTF-8 and lone surrogates; such a body is
+    // fingerprinted raw, so it is stored raw)
+    serde_json::from_slice::<serde_json::Value>(body).ok()?;
     let mut out = Vec::with_capacity(body.len());
     let (mut in_string, mut escaped) = (false, false);
     for &b in body {
@@ -1048,7 +1127,8 @@ where
                 Executed::KeyTaken => in_flight(),
             }
         }
-        Ok(TakeOver::Held) => in_flight(),
+        // held, or locked by the live attempt's second phase (the claim's bounded lock wait ran out)
+        Ok(TakeOver::Held) | Err(StoreError::LockTimeout) => in_flight(),
         Ok(TakeOver::NotBefore(wait)) => {
             let problem = Problem::new(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE)
                 .detail("the other system's answer to this request is unknown and it asked to wait: retry with the same Idempotency-Key after Retry-After; nothing was sent")
@@ -1101,6 +1181,7 @@ where
             tm: shared.tm.clone(),
             clock: shared.clock.clone(),
             lease: shared.config.lease,
+            call_bound: shared.config.call_bound,
             attempt: run.attempt,
             resume_at: run.resume_at,
             entered: std::sync::atomic::AtomicBool::new(false),
@@ -1135,11 +1216,12 @@ where
         drop(handle.0.lock().await.take()); // rolled back
         return Executed::KeyTaken;
     }
+    let entered = flag(|p| &p.entered);
     let Some(mut uow) = handle.0.lock().await.take() else {
-        if flag(|p| &p.entered) && !response.status().is_success() {
-            // between the phases: the first is committed and the record held; the handler's answer (an
-            // outcome unknown) goes out as it is, and the retry resumes with the same downstream key
-            return Executed::Answer(tagged(response, "phase_pending"));
+        if entered && !response.status().is_success() {
+            // between the phases: the first is committed and the record held; the call may have been sent,
+            // so the answer is an outcome unknown, and the retry resumes with the same downstream key
+            return Executed::Answer(tagged(after_a_call(response), "phase_pending"));
         }
         return Executed::Answer(
             layer_problem(ProblemKind::Internal, StatusCode::INTERNAL_SERVER_ERROR).into_response(),
@@ -1163,6 +1245,10 @@ where
         }
         // Roll back the business effect and the claim: nothing is stored, a retry executes again.
         drop(uow);
+        if entered {
+            // a second phase that failed after its call: the record stays held at its recovery point
+            return Executed::Answer(tagged(after_a_call(response), "phase_pending"));
+        }
         let outcome = if status.is_server_error() { "failed" } else { "rejected_input" };
         return Executed::Answer(tagged(response, outcome));
     }
@@ -1204,7 +1290,8 @@ where
                 Err(e) => return Executed::Answer(store_failure(&e)),
             }
         } else if let Err(e) = uow.idempotency().complete(&p.claim.scope, &p.claim.key, &stored).await {
-            return Executed::Answer(store_failure(&e));
+            let failed = store_failure(&e);
+            return Executed::Answer(if entered { after_a_call(failed) } else { failed });
         }
     }
     if let Err(e) = uow.commit().await {

@@ -168,6 +168,11 @@ async fn apply(state: &WebhookState, event: &Event) -> Result<&'static str, Resp
         .await
         .map_err(|e| unavailable(&e))?
     {
+        // acknowledged from a row this unit did not write: as for a replay, only once the synchronous
+        // standby has it (a cancelled commit wait leaves it visible on the primary alone, and the next
+        // failover would take it back while the provider stops delivering)
+        drop(uow);
+        api.tm.confirm_replicated().await.map_err(|e| unavailable(&e))?;
         return Ok("duplicate");
     }
     let env = idem_domain::usecases::Env { clock: &*api.clock, ids: &*api.ids, payments_topic: &api.payments_topic };

@@ -309,14 +309,16 @@ impl PgStore {
         .map_err(map_sqlx_error)
     }
 
-    /// Puts a parked (or held) record back in the completer's hands: unparked, its backoff reset, its lease
-    /// lapsed. False when it is not held.
+    /// Puts a parked record, or a held one whose lease lapsed, back in the completer's hands: unparked, its
+    /// backoff and its wait after an unknown outcome reset. Never a live lease (an attempt whose call may be
+    /// in process): false then, and when it is not held.
     pub async fn resume_held(&self, scope: &str, key: &str) -> Result<bool, StoreError> {
         let mut tx = self.small_tx().await.map_err(map_sqlx_error)?;
         let done = sqlx::query!(
             r#"UPDATE idempotency_record SET parked_at = NULL, parked_reason = NULL, completer_runs = 0,
-                      lease_until = least(lease_until, now())
-               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND lease_until IS NOT NULL"#,
+                      not_before = NULL
+               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND lease_until IS NOT NULL
+                 AND (parked_at IS NOT NULL OR lease_until <= clock_timestamp())"#,
             scope,
             key,
         )

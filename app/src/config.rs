@@ -94,6 +94,12 @@ pub struct ProviderArgs {
 }
 
 impl ProviderArgs {
+    /// The longest a provider call takes, with a second's margin: what an attempt must hold of its lease
+    /// before it calls (`IdempotencyConfig::call_bound`).
+    pub fn call_bound(&self) -> Duration {
+        self.payment_provider_timeout + Duration::from_secs(1)
+    }
+
     fn validate(&self, request_timeout: Duration) -> Result<(), String> {
         if self.payment_provider_webhook_secret.is_some() && self.payment_provider_url.is_none() {
             return Err("PAYMENT_PROVIDER_WEBHOOK_SECRET needs PAYMENT_PROVIDER_URL".into());
@@ -568,6 +574,12 @@ impl ServeArgs {
             );
         }
         self.provider.validate(self.http_request_timeout)?;
+        if self.provider.payment_provider_url.is_some() && self.idempotency_lease <= self.provider.call_bound() {
+            return Err(
+                "IDEMPOTENCY_LEASE must be longer than PAYMENT_PROVIDER_TIMEOUT plus one second: a call starts only while its attempt holds that much of its lease"
+                    .into(),
+            );
+        }
         if self.cleanup_interval < Duration::from_secs(1) {
             return Err("CLEANUP_INTERVAL must be at least 1s".into());
         }

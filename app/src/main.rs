@@ -434,6 +434,11 @@ mod tests {
             "below HTTP_REQUEST_TIMEOUT",
         );
         refused(&["--payment-provider-webhook-secret", "s"], "needs PAYMENT_PROVIDER_URL");
+        // issue 45: a lease the call cannot fit in would let a takeover call while the call still runs
+        refused(
+            &["--payment-provider-url", "https://p", "--payment-provider-api-key", "k", "--idempotency-lease", "11s"],
+            "IDEMPOTENCY_LEASE must be longer than PAYMENT_PROVIDER_TIMEOUT",
+        );
         refused(&["--completer-window", "30s"], "COMPLETER_WINDOW");
         // without a provider its timeout is not checked against a short request timeout
         assert!(serve_with(&["--http-request-timeout", "3s"]).is_ok());

@@ -192,6 +192,9 @@ fn api(args: &ServeArgs, store: &PgStore, checked: &Checked, registry: &mut Regi
     let mut config = IdempotencyConfig::new(checked.idempotency_ttl, idem_http::merchant_scope());
     config.wait = args.idempotency_wait;
     config.lease = args.idempotency_lease;
+    if args.provider.payment_provider_url.is_some() {
+        config.call_bound = args.provider.call_bound();
+    }
     config.new_keys = std::num::NonZeroU32::new(args.merchant_new_keys_per_second).map(|rate| {
         let burst = std::num::NonZeroU32::new(args.merchant_new_keys_burst).unwrap_or(rate);
         Arc::new(idem_http::quota::NewKeyQuota::new(rate, burst))

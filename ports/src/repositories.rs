@@ -319,6 +319,13 @@ pub trait IdempotencyRepository: Send {
         Err(StoreError::Other("this store does not hold records between phases".into()))
     }
 
+    /// How much of `attempt`'s lease is left on the database's clock; `None` when another attempt holds the
+    /// record, it completed, was parked, or the lease lapsed.
+    async fn lease_left(&mut self, scope: &str, key: &str, attempt: u32) -> Result<Option<Duration>, StoreError> {
+        let _ = (scope, key, attempt);
+        Err(StoreError::Other("this store does not hold records between phases".into()))
+    }
+
     /// Locks the record for the second phase if `attempt` still holds it (the fencing check); false for a
     /// late original whose record was taken over.
     async fn owns(&mut self, scope: &str, key: &str, attempt: u32) -> Result<bool, StoreError> {

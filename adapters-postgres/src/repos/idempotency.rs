@@ -188,23 +188,25 @@ impl IdempotencyRepository for PgUnitOfWork {
         lease: Duration,
     ) -> Result<TakeOver, StoreError> {
         let attempt = attempt_column(attempt)?;
-        // both instants on the database's clock: a host whose clock is ahead cannot take over a live lease
-        let taken = sqlx::query!(
+        // both instants on the database's clock: a host whose clock is ahead cannot take over a live lease;
+        // taken, the claim's bounded lock wait is put back to the session's (the handler runs next)
+        let taken = sqlx::query_scalar!(
             r#"UPDATE idempotency_record
                SET attempt = attempt + 1, lease_until = clock_timestamp() + make_interval(secs => $4::float8),
                    not_before = NULL
                WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt = $3
                  AND lease_until <= clock_timestamp() AND (not_before IS NULL OR not_before <= clock_timestamp())
-                 AND parked_at IS NULL"#,
+                 AND parked_at IS NULL
+               RETURNING set_config('lock_timeout', NULL, true) IS NOT NULL AS "reset!""#,
             scope,
             key,
             attempt,
             lease.as_secs_f64(),
         )
-        .execute(self.db())
+        .fetch_optional(self.db())
         .await
         .map_err(|e| self.failed(e))?;
-        if taken.rows_affected() == 1 {
+        if taken.is_some() {
             return Ok(TakeOver::Taken);
         }
         let wait = sqlx::query_scalar!(
@@ -241,6 +243,23 @@ impl IdempotencyRepository for PgUnitOfWork {
         .await
         .map_err(|e| self.failed(e))?;
         Ok(deferred.rows_affected() == 1)
+    }
+
+    async fn lease_left(&mut self, scope: &str, key: &str, attempt: u32) -> Result<Option<Duration>, StoreError> {
+        let attempt = attempt_column(attempt)?;
+        let left = sqlx::query_scalar!(
+            r#"SELECT extract(epoch FROM lease_until - clock_timestamp())::float8 AS "left!"
+               FROM idempotency_record
+               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt = $3 AND parked_at IS NULL
+                 AND lease_until > clock_timestamp()"#,
+            scope,
+            key,
+            attempt,
+        )
+        .fetch_optional(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        Ok(left.map(|secs| Duration::from_secs_f64(secs.max(0.0))))
     }
 
     async fn owns(&mut self, scope: &str, key: &str, attempt: u32) -> Result<bool, StoreError> {

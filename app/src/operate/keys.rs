@@ -96,7 +96,11 @@ pub async fn keys(command: KeysCommand) -> anyhow::Result<()> {
         KeysCommand::Resume(args) => {
             let store = crate::connect(&args.db).await?;
             if !store.resume_held(&args.merchant, &args.key).await? {
-                anyhow::bail!("key {:?} of merchant {:?} is not held between phases", args.key, args.merchant);
+                anyhow::bail!(
+                    "key {:?} of merchant {:?} is not parked or lapsed (not held between phases, or an attempt holds a live lease: its call may be in process)",
+                    args.key,
+                    args.merchant
+                );
             }
             say(
                 "handed back to the completer: it re-sends the request at its next round, under the same downstream key",

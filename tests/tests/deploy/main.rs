@@ -847,3 +847,61 @@ async fn the_relay_wakeup_follows_a_multi_host_url_through_a_failover() -> anyho
     );
     Ok(())
 }
+
+/// Issue 45.7: a webhook redelivery was acknowledged `200 duplicate` from a `provider_event` row without the
+/// replication barrier API replays go through: a row whose commit wait was cancelled is visible on the
+/// primary alone, and the provider, told "done", stops delivering what the next failover takes back. With a
+/// synchronous standby that does not confirm, the duplicate is `503` (delivered again later); once it
+/// confirms, `200 duplicate`.
+#[tokio::test]
+async fn a_webhook_duplicate_is_acknowledged_only_once_the_standby_has_it() -> anyhow::Result<()> {
+    use std::sync::Arc;
+
+    use idem_ports::{SystemClock, TransactionManager, UuidV7Generator};
+    let primary = idem_tests::infra::PrivatePostgres::start("").await?;
+    let url = primary.url("postgres");
+    let store = idem_postgres::PgStore::connect(&url, &idem_postgres::PoolSettings::default()).await?;
+    store.migrate_schema_first(&idem_tests::REFERENCE_MIGRATOR).await?;
+    let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
+    let api = idem_http::ApiState {
+        tm,
+        payments_of: idem_postgres::payments_of,
+        clock: Arc::new(SystemClock),
+        ids: Arc::new(UuidV7Generator),
+        payments_topic: "payments".into(),
+        provider: None,
+    };
+    let secret = "whsec_barrier_0123456789";
+    let state = idem_http::webhooks::WebhookState::new(api, "standin".into(), secret.as_bytes())?;
+    let base = idem_tests::serve(idem_http::webhooks::router(state)).await?;
+    let body =
+        serde_json::to_vec(&serde_json::json!({"id": "evt_b1", "type": "customer.created", "data": {"object": {}}}))?;
+    let deliver = || {
+        let (base, body) = (base.clone(), body.clone());
+        async move {
+            let signature = idem_domain::webhook::sign(secret.as_bytes(), &body, chrono::Utc::now());
+            let resp = reqwest::Client::new()
+                .post(format!("{base}/webhooks/payment-provider"))
+                .header("provider-signature", signature)
+                .body(body)
+                .send()
+                .await?;
+            Ok::<_, anyhow::Error>((resp.status().as_u16(), resp.text().await?))
+        }
+    };
+    let first = deliver().await?;
+    assert_eq!(first.0, 200, "{}", first.1);
+    let admin = sqlx::PgPool::connect(&url).await?;
+    sqlx::query("ALTER SYSTEM SET synchronous_standby_names = 'nonexistent'").execute(&admin).await?;
+    sqlx::query("SELECT pg_reload_conf()").execute(&admin).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let unconfirmed = deliver().await?;
+    assert_eq!(unconfirmed.0, 503, "acknowledged without a standby's confirmation: {}", unconfirmed.1);
+    sqlx::query("ALTER SYSTEM RESET synchronous_standby_names").execute(&admin).await?;
+    sqlx::query("SELECT pg_reload_conf()").execute(&admin).await?;
+    // the barrier's own commit, still waiting, is released by the reload
+    let confirmed = eventually(Duration::from_secs(10), || async { Ok(deliver().await?.0 == 200) }).await?;
+    assert!(confirmed, "the duplicate is acknowledged once nothing is left to confirm");
+    assert!(deliver().await?.1.contains("duplicate"));
+    Ok(())
+}

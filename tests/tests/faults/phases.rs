@@ -64,7 +64,8 @@ async fn s13_kill9_between_the_phases_completer_or_retry_finishes_with_one_charg
         .with_env("PAYMENT_PROVIDER_URL", &provider)
         .with_env("PAYMENT_PROVIDER_NAME", "standin")
         .with_env("PAYMENT_PROVIDER_API_KEY", PROVIDER_KEY)
-        .with_env("IDEMPOTENCY_LEASE", "2s")
+        .with_env("IDEMPOTENCY_LEASE", "4s")
+        .with_env("PAYMENT_PROVIDER_TIMEOUT", "2s") // the lease holds a call and a second's margin
         .with_env("COMPLETER_INTERVAL", "300ms");
     service.start().await?;
     let order = |amount: &str| {

@@ -785,3 +785,109 @@ async fn a_host_whose_clock_is_ahead_never_takes_over_a_live_lease() -> anyhow::
     assert_eq!(standin.calls.load(SeqCst), 1, "calls at the provider for one key");
     assert_money_conserved(&db, &standin).await
 }
+
+/// Issue 45: after the provider charged, a failure of the second phase was answered `503
+/// service-unavailable` ("nothing was executed"). Once a call may have been sent, every failure is `503
+/// outcome-unknown`; the retry records the provider's first charge: one charge.
+#[tokio::test]
+async fn a_second_phase_that_fails_after_the_charge_answers_outcome_unknown() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let base = instance(&db.store, &provider, Duration::from_secs(1), Duration::from_secs(3)).await?;
+    sqlx::raw_sql(
+        "CREATE FUNCTION refuse_capture() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN IF NEW.status = 'captured' AND NEW.amount = 66.66 THEN RAISE EXCEPTION 'injected'; END IF;
+         RETURN NEW; END $$;
+         CREATE TRIGGER refuse_capture BEFORE UPDATE ON payment FOR EACH ROW EXECUTE FUNCTION refuse_capture();",
+    )
+    .execute(db.pool())
+    .await?;
+    let body = card("pm_card_visa", "66.66");
+    let failed = charge(&base, "second-phase-1", &body).await?;
+    assert_eq!(failed.status, 503, "{}", failed.body);
+    assert_eq!(failed.body["type"], "urn:idem:problem:outcome-unknown", "{}", failed.body);
+    assert_eq!(standin.charges.load(SeqCst), 1, "the provider charged");
+    sqlx::raw_sql("DROP TRIGGER refuse_capture ON payment").execute(db.pool()).await?;
+    // the lease (3 s) lapses, then the retry resumes with the same downstream key
+    let mut retried = charge(&base, "second-phase-1", &body).await?;
+    for _ in 0..40 {
+        if retried.status != 409 && retried.status != 503 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        retried = charge(&base, "second-phase-1", &body).await?;
+    }
+    assert_eq!(retried.status, 201, "{}", retried.body);
+    assert_eq!(standin.charges.load(SeqCst), 1, "one charge for one key");
+    assert_money_conserved(&db, &standin).await
+}
+
+/// Review of issue 44's change: a retry while the live attempt's second phase holds the record's row lock
+/// waited for the claim's bounded lock wait and was answered `503 service-unavailable` ("not executed")
+/// while the charge was being recorded. It is in flight: `409`.
+#[tokio::test]
+async fn a_retry_behind_a_locked_second_phase_is_in_flight() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let base = instance(&db.store, &provider, Duration::from_secs(2), Duration::from_secs(30)).await?;
+    standin.delay_ms.store(1_000, SeqCst);
+    let body = card("pm_card_visa", "5.00");
+    let first = tokio::spawn({
+        let (base, body) = (base.clone(), body.clone());
+        async move { charge(&base, "locked-1", &body).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // the record's row locked as a second phase locks it, longer than the claim's wait (2 s)
+    let mut locker = db.pool().begin().await?;
+    sqlx::query("SELECT 1 FROM idempotency_record WHERE key = 'locked-1' FOR UPDATE").execute(&mut *locker).await?;
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        locker.rollback().await
+    });
+    let retry = charge(&base, "locked-1", &body).await?;
+    assert_eq!(retry.status, 409, "{}", retry.body);
+    release.await??;
+    assert_eq!(first.await??.status, 201);
+    assert_eq!(standin.charges.load(SeqCst), 1);
+    Ok(())
+}
+
+/// Issue 45.1: a call starts only while its attempt holds at least the call's bound of its lease, on the
+/// database's clock, confirmed after the first phase committed. With a lease shorter than the bound (a
+/// commit that waited about a lease looks the same), the attempt answers without sending anything.
+#[tokio::test]
+async fn a_call_starts_only_with_its_bound_left_of_the_lease() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let router = |call_bound: Duration| -> anyhow::Result<axum::Router> {
+        let provider: Arc<dyn PaymentProvider> =
+            Arc::new(HttpPaymentProvider::new("standin", &provider, PROVIDER_KEY, Duration::from_secs(1))?);
+        let tm: Arc<dyn TransactionManager> = Arc::new(db.store.clone());
+        let state = ApiState {
+            tm: tm.clone(),
+            payments_of: idem_postgres::payments_of,
+            clock: Arc::new(SystemClock),
+            ids: Arc::new(UuidV7Generator),
+            payments_topic: "payments".into(),
+            provider: Some(provider),
+        };
+        let mut config =
+            IdempotencyConfig::new(TtlPolicy::new(Duration::from_secs(48 * 3600))?, idem_http::merchant_scope());
+        config.lease = Duration::from_secs(2);
+        config.call_bound = call_bound;
+        let keys = Arc::new(ApiKeys::parse(&format!("merchant_a:{API_KEY}")).map_err(anyhow::Error::msg)?);
+        Ok(idem_http::router(state, keys, IdempotencyLayer::new(tm, Arc::new(SystemClock), config)))
+    };
+    let short = idem_tests::serve(router(Duration::from_secs(5))?).await?;
+    let body = card("pm_card_visa", "8.00");
+    let refused = charge(&short, "bound-1", &body).await?;
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert_eq!(refused.body["type"], "urn:idem:problem:outcome-unknown");
+    assert_eq!(standin.calls.load(SeqCst), 0, "a call sent without its bound left of the lease");
+    // with the bound inside the lease, the retry calls once
+    let fits = idem_tests::serve(router(Duration::from_millis(1500))?).await?;
+    let charged = charge(&fits, "bound-1", &body).await?;
+    assert_eq!(charged.status, 201, "{}", charged.body);
+    assert_eq!(standin.calls.load(SeqCst), 1);
+    Ok(())
+}
