@@ -21,9 +21,9 @@ pub use error::{PublishError, StoreError};
 pub use inbound::{BatchError, EventHandler, HandlerError};
 pub use provider::{Charge, ChargeRequest, PaymentProvider, ProviderError, ProviderRefund, RefundRequest};
 pub use records::{
-    ClaimOutcome, HeldRequest, IdempotencyClaim, IdempotencyRecord, IdempotencyState, InboundEvent, LapsedRecord,
-    NewOutboxMessage, NewPayment, NewPendingPayment, NewRefund, OrderVersion, OutboxRecord, PaymentInsert,
-    PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent, RefundRecord, SagaStepClaim, StoredRequest,
+    ClaimOutcome, HeldCall, HeldRequest, IdempotencyClaim, IdempotencyRecord, IdempotencyState, InboundEvent,
+    LapsedRecord, NewOutboxMessage, NewPayment, NewPendingPayment, NewRefund, OrderVersion, OutboxRecord,
+    PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent, RefundRecord, SagaStepClaim, StoredRequest,
     StoredResponse, TakeOver,
 };
 pub use repositories::{

@@ -301,6 +301,15 @@ pub enum ClaimOutcome {
     Existing(IdempotencyRecord),
 }
 
+/// A held request [`crate::IdempotencyRepository::cancel_unstarted`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeldCall {
+    /// Its call never started: cancelled, completed with the given answer.
+    Cancelled,
+    /// An attempt took it: its call may be in process; it ends on its own (wait for it).
+    InProgress,
+}
+
 /// Outcome of [`crate::IdempotencyRepository::take_over`], decided on the database's clock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TakeOver {

@@ -6,9 +6,9 @@ use uuid::Uuid;
 
 use crate::error::StoreError;
 use crate::records::{
-    ClaimOutcome, HeldRequest, IdempotencyClaim, IdempotencyRecord, LapsedRecord, NewOutboxMessage, NewPayment,
-    NewPendingPayment, NewRefund, OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold, ProcessedEvent,
-    RefundRecord, SagaStepClaim, StoredResponse, TakeOver,
+    ClaimOutcome, HeldCall, HeldRequest, IdempotencyClaim, IdempotencyRecord, LapsedRecord, NewOutboxMessage,
+    NewPayment, NewPendingPayment, NewRefund, OutboxRecord, PaymentInsert, PaymentRecord, PaymentStatus, PhaseHold,
+    ProcessedEvent, RefundRecord, SagaStepClaim, StoredResponse, TakeOver,
 };
 
 /// Begins units of work. One implementation per store; it is a cheap handle, shared by value.
@@ -344,6 +344,20 @@ pub trait IdempotencyRepository: Send {
         limit: i64,
     ) -> Result<Vec<LapsedRecord>, StoreError> {
         let _ = (now, grace, max_backoff, limit);
+        Err(StoreError::Other("this store does not hold records between phases".into()))
+    }
+
+    /// Cancels the held request of (scope, key) if its call never started (no attempt took it over: the
+    /// completer has not sent it), under the record's lock: completed with `response`, so no attempt ever
+    /// sends it. [`HeldCall::InProgress`] when an attempt took it (its call may be out), `None` when the key
+    /// has no held request (absent or completed).
+    async fn cancel_unstarted(
+        &mut self,
+        scope: &str,
+        key: &str,
+        response: &StoredResponse,
+    ) -> Result<Option<HeldCall>, StoreError> {
+        let _ = (scope, key, response);
         Err(StoreError::Other("this store does not hold records between phases".into()))
     }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use idem_ports::{
-    ClaimOutcome, HeldRequest, IdempotencyClaim, IdempotencyRecord, IdempotencyRepository, IdempotencyState,
+    ClaimOutcome, HeldCall, HeldRequest, IdempotencyClaim, IdempotencyRecord, IdempotencyRepository, IdempotencyState,
     LapsedRecord, PhaseHold, StoreError, StoredRequest, StoredResponse, TakeOver,
 };
 
@@ -317,6 +317,44 @@ impl IdempotencyRepository for PgUnitOfWork {
                 completer_runs: u32::try_from(r.completer_runs).unwrap_or_default(),
             })
             .collect())
+    }
+
+    async fn cancel_unstarted(
+        &mut self,
+        scope: &str,
+        key: &str,
+        response: &StoredResponse,
+    ) -> Result<Option<HeldCall>, StoreError> {
+        let (status, headers) = response_columns(response)?;
+        // attempt 0: held by `enqueue_held` and never taken over, so never sent
+        let cancelled = sqlx::query_scalar!(
+            r#"UPDATE idempotency_record
+               SET state = 'completed', status_code = $3, response_headers = $4, response_body = $5,
+                   lease_until = NULL, not_before = NULL, recovery_point = NULL
+               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt = 0
+               RETURNING 1 AS "one!""#,
+            scope,
+            key,
+            status,
+            headers,
+            response.body,
+        )
+        .fetch_optional(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        if cancelled.is_some() {
+            return Ok(Some(HeldCall::Cancelled));
+        }
+        let held = sqlx::query_scalar!(
+            r#"SELECT true AS "held!" FROM idempotency_record
+               WHERE scope = $1 AND key = $2 AND state = 'in_flight' FOR UPDATE"#,
+            scope,
+            key,
+        )
+        .fetch_optional(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        Ok(held.map(|_| HeldCall::InProgress))
     }
 
     async fn enqueue_held(&mut self, held: &HeldRequest) -> Result<bool, StoreError> {

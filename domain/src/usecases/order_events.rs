@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use idem_ports::{
-    BatchError, Clock, EventHandler, HandlerError, HeldRequest, IdGenerator, InboundEvent, PaymentUnitOfWork,
-    PaymentsOf, StoredRequest, UnitOfWork,
+    BatchError, Clock, EventHandler, HandlerError, HeldCall, HeldRequest, IdGenerator, InboundEvent, PaymentStatus,
+    PaymentUnitOfWork, PaymentsOf, StoredRequest, StoredResponse, UnitOfWork,
 };
 use serde_json::json;
 use uuid::Uuid;
@@ -25,6 +25,18 @@ pub const EVENT_CHARGE_RETENTION_HOURS: i64 = 48;
 
 /// Name of the compensation step run for a cancelled order.
 pub const REFUND_STEP: &str = "refund-payment";
+
+/// The key of the request `POST /payments` an `OrderPlaced` with a `payment_method` holds for the
+/// completer: one per order, so a cancellation finds it (and a second `OrderPlaced` of the order charges
+/// nothing more).
+pub fn order_charge_key(order_id: Uuid) -> String {
+    format!("order:{order_id}")
+}
+
+/// The key of the refund request a cancellation holds for the completer: its saga's step.
+pub fn compensation_refund_key(saga_id: Uuid) -> String {
+    format!("saga:{saga_id}:{REFUND_STEP}")
+}
 
 use crate::wire::OrderEvent;
 
@@ -174,7 +186,7 @@ impl OrderEventHandler {
         Ok(Parsed { order_id, version, action })
     }
 
-    async fn apply(&self, uow: &mut dyn PaymentUnitOfWork, event: Parsed, event_id: Uuid) -> Result<(), HandlerError> {
+    async fn apply(&self, uow: &mut dyn PaymentUnitOfWork, event: Parsed) -> Result<(), HandlerError> {
         // Older or repeated versions are skipped: the projection never moves backwards or twice.
         let now = self.clock.now();
         if !uow.projections().apply_order_version(event.order_id, event.version, event.status(), now).await? {
@@ -186,7 +198,7 @@ impl OrderEventHandler {
                 Err(e) => Err(charge_failure(e)),
             },
             Action::ChargeThroughProvider(body) => {
-                // the charge's phases run as the request `POST /payments` under the key `event:<event_id>`:
+                // the charge's phases run as the request `POST /payments` under the key `order:<order_id>`:
                 // held here, in the event's transaction, for the completer to send (at its next round)
                 let request = StoredRequest {
                     method: "POST".into(),
@@ -196,7 +208,7 @@ impl OrderEventHandler {
                 };
                 let held = HeldRequest {
                     scope: self.merchant_id.clone(),
-                    key: format!("event:{event_id}"),
+                    key: order_charge_key(event.order_id),
                     command_hash: *crate::idempotency::Fingerprint::of_request("POST", "/payments", &request.body)
                         .as_bytes(),
                     request,
@@ -210,7 +222,7 @@ impl OrderEventHandler {
                 if let StepStart::Done(_) = begin_step(uow, &step, now).await? {
                     return Ok(());
                 }
-                let outcome = self.compensate(uow, event.order_id, step.saga_id()).await?;
+                let outcome = self.compensate(uow, event.order_id, step.saga_id(), now).await?;
                 finish_step(uow, &step, &outcome).await?;
                 Ok(())
             }
@@ -234,7 +246,7 @@ fn charge_failure(e: ChargeError) -> HandlerError {
 impl EventHandler for OrderEventHandler {
     async fn handle(&self, uow: &mut dyn UnitOfWork, event: &InboundEvent) -> Result<(), HandlerError> {
         let parsed = self.parse(event)?;
-        self.apply((self.payments_of)(uow)?, parsed, event.event_id).await
+        self.apply((self.payments_of)(uow)?, parsed).await
     }
 
     /// Set-based when every event is an `OrderPlaced` of a distinct order (the common case): one statement
@@ -250,7 +262,7 @@ impl EventHandler for OrderEventHandler {
         let all_charges = parsed.iter().all(|p| matches!(p.action, Action::Charge(_)));
         if events.len() == 1 || orders.len() != parsed.len() || !all_charges {
             for (index, p) in parsed.into_iter().enumerate() {
-                self.apply(uow, p, events[index].event_id).await.map_err(|error| BatchError { index, error })?;
+                self.apply(uow, p).await.map_err(|error| BatchError { index, error })?;
             }
             return Ok(());
         }
@@ -283,18 +295,68 @@ impl EventHandler for OrderEventHandler {
 impl OrderEventHandler {
     /// Refunds what is left of the order's payment — only a payment of the order stream's own merchant:
     /// HTTP merchants choose order ids freely, so an order id alone must never reach their payments.
+    ///
+    /// A charge through the provider is never left to happen after its order was cancelled, and its money
+    /// is returned by the provider, not in idem only: a held charge whose call never started is cancelled
+    /// under its record's lock; one whose call may be out (or whose payment is still `pending`) makes the
+    /// event wait (a transient failure: retried until the charge is final); a captured one is refunded
+    /// through the provider, in phases under the saga step's key, by the completer — `PaymentRefunded` is
+    /// announced once the provider confirmed.
     async fn compensate(
         &self,
         uow: &mut dyn PaymentUnitOfWork,
         order_id: Uuid,
         saga_id: Uuid,
+        now: chrono::DateTime<chrono::Utc>,
     ) -> Result<serde_json::Value, HandlerError> {
+        let waits = |why: &str| {
+            HandlerError::Store(idem_ports::StoreError::Unavailable(format!(
+                "order {order_id}: {why}; the cancellation waits until the charge is final"
+            )))
+        };
+        if self.charges_through_provider {
+            // the record first, then the payment: the order the completer's attempt takes them in
+            let key = order_charge_key(order_id);
+            match uow.idempotency().cancel_unstarted(&self.merchant_id, &key, &cancelled_charge()).await? {
+                Some(HeldCall::Cancelled) => {
+                    return Ok(json!({ "cancelled": "the order's charge was never sent", "key": key }));
+                }
+                Some(HeldCall::InProgress) => return Err(waits("its charge is in progress at the provider")),
+                None => {}
+            }
+        }
         let Some(payment) = uow.payments().find_by_order_for_update(&self.merchant_id, order_id).await? else {
             return Ok(json!({ "skipped": "no payment for the order" }));
         };
+        if payment.status == PaymentStatus::Pending {
+            return Err(waits("its payment is pending at the provider"));
+        }
         let Ok(amount) = Amount::try_from(refundable(&payment)) else {
             return Ok(json!({ "skipped": "nothing left to refund", "payment_id": payment.id }));
         };
+        if payment.through_provider || payment.id.get_version_num() == 8 {
+            let key = compensation_refund_key(saga_id);
+            let uri = format!("/payments/{}/refund", payment.id);
+            let body = serde_json::to_vec(&json!({
+                "amount": format_amount(amount.value(), &payment.currency), "reason": "order cancelled",
+            }))
+            .map_err(|e| HandlerError::Rejected(e.to_string()))?;
+            let held = HeldRequest {
+                scope: self.merchant_id.clone(),
+                key: key.clone(),
+                command_hash: *crate::idempotency::Fingerprint::of_request("POST", &uri, &body).as_bytes(),
+                request: StoredRequest {
+                    method: "POST".into(),
+                    uri,
+                    content_type: Some("application/json".into()),
+                    body,
+                },
+                created_at: now,
+                expires_at: now + chrono::Duration::hours(EVENT_CHARGE_RETENTION_HOURS),
+            };
+            uow.idempotency().enqueue_held(&held).await?;
+            return Ok(json!({ "refund_requested": key, "payment_id": payment.id }));
+        }
         let cmd = RefundCommand {
             id: None,
             merchant_id: Some(self.merchant_id.clone()),
@@ -311,6 +373,20 @@ impl OrderEventHandler {
             Err(RefundError::Store(e)) => Err(e.into()),
             Err(e) => Err(HandlerError::Rejected(e.to_string())),
         }
+    }
+}
+
+/// The answer a charge cancelled before it was sent keeps (`409 request-abandoned`, as an operator's
+/// `idem keys abandon`): the completer never sends it, and a retry of its key replays this.
+fn cancelled_charge() -> StoredResponse {
+    let body = json!({
+        "type": "urn:idem:problem:request-abandoned", "title": "The request was abandoned", "status": 409,
+        "detail": "the order was cancelled before its charge was sent: nothing was charged",
+    });
+    StoredResponse {
+        status_code: 409,
+        headers: vec![("content-type".into(), "application/problem+json".into())],
+        body: body.to_string().into_bytes(),
     }
 }
 

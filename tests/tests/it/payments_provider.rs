@@ -544,8 +544,8 @@ async fn count_rows(db: &TestDb, sql: &str) -> anyhow::Result<i64> {
 }
 
 /// An `OrderPlaced` with a `payment_method`, delivered twice (a redelivery that reached the handler): the
-/// event's transaction holds the request `POST /payments` under the key `event:<event_id>` for the
-/// completer, which charges through the provider in phases keyed by the event — one charge, one captured
+/// event's transaction holds the request `POST /payments` under the key `order:<order_id>` for the
+/// completer, which charges through the provider in phases keyed by the order — one charge, one captured
 /// payment of the orders merchant; a service without a provider rejects such an event (dead letter).
 #[tokio::test]
 async fn an_order_with_a_payment_method_is_charged_once_through_the_completer() -> anyhow::Result<()> {
@@ -599,7 +599,7 @@ async fn an_order_with_a_payment_method_is_charged_once_through_the_completer() 
     assert_eq!(completer.round().await?.completed, 1);
     assert_eq!(completer.round().await?.completed, 0, "nothing left");
     assert_eq!(standin.charges.load(SeqCst), 1);
-    let key = idem_domain::phases::downstream_key("orders", &format!("event:{}", event.event_id), "charge");
+    let key = idem_domain::phases::downstream_key("orders", &format!("order:{order}"), "charge");
     assert_eq!(standin.charges_for(&key), 1, "the provider saw the downstream key of the event's charge step");
     let (merchant, status): (String, String) =
         sqlx::query_as("SELECT merchant_id, status FROM payment").fetch_one(db.pool()).await?;
@@ -889,5 +889,138 @@ async fn a_call_starts_only_with_its_bound_left_of_the_lease() -> anyhow::Result
     let charged = charge(&fits, "bound-1", &body).await?;
     assert_eq!(charged.status, 201, "{}", charged.body);
     assert_eq!(standin.calls.load(SeqCst), 1);
+    Ok(())
+}
+
+/// An order event for `order` of the orders stream (`saga`: its `saga_id` header).
+fn order_event(order: uuid::Uuid, saga: Option<uuid::Uuid>, payload: Value) -> idem_ports::InboundEvent {
+    idem_ports::InboundEvent {
+        event_id: uuid::Uuid::now_v7(),
+        saga_id: saga,
+        topic: "orders".into(),
+        partition: 0,
+        offset: 0,
+        key: Some(order.to_string().into_bytes()),
+        headers: Vec::new(),
+        payload: payload.to_string().into_bytes(),
+    }
+}
+
+/// Issue 45.4: compensating a cancelled order whose payment was charged through the provider recorded a
+/// refund in idem only (the provider never asked: money kept), and an `OrderCancelled` that arrived before
+/// the completer charged finished "skipped" — then the completer charged the card. Now, counted at the
+/// provider: cancelled **before** the call, nothing is ever charged; **between** the phases, the
+/// cancellation waits (retried) until the charge is final, then the provider refunds it; **after**, the
+/// provider refunds it. `PaymentRefunded` only once the provider confirmed.
+#[tokio::test]
+async fn a_cancelled_order_is_never_charged_after_and_its_charge_is_refunded_at_the_provider() -> anyhow::Result<()> {
+    use idem_domain::usecases::OrderEventHandler;
+    use idem_http::completer::{Completer, CompleterSettings};
+    use idem_ports::{EventHandler, HandlerError};
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let router = reference_router(&db.store, &provider, Duration::from_secs(5), Duration::from_secs(30))?;
+    let handler = OrderEventHandler {
+        charges_through_provider: true,
+        clock: Arc::new(SystemClock),
+        ids: Arc::new(UuidV7Generator),
+        payments_topic: "payments".into(),
+        merchant_id: "orders".into(),
+        payments_of: idem_postgres::payments_of,
+    };
+    let completer = Completer::new(
+        Arc::new(db.store.clone()),
+        Arc::new(SystemClock),
+        router,
+        idem_http::merchant_principal(),
+        CompleterSettings { grace: Duration::ZERO, ..CompleterSettings::default() },
+    );
+    let apply = |event: idem_ports::InboundEvent| {
+        let (store, handler) = (db.store.clone(), handler.clone());
+        async move {
+            let mut uow = store.begin().await?;
+            let applied = handler.handle(uow.as_mut(), &event).await;
+            if applied.is_ok() {
+                uow.commit().await?;
+            }
+            Ok::<_, anyhow::Error>(applied)
+        }
+    };
+    let placed = |order, amount: &str| {
+        order_event(
+            order,
+            None,
+            json!({"type": "OrderPlaced", "order_id": order, "customer_id": uuid::Uuid::now_v7(),
+            "amount": amount, "currency": "EUR", "payment_method": "pm_card_visa", "version": 1}),
+        )
+    };
+    let cancelled = |order| {
+        order_event(
+            order,
+            Some(uuid::Uuid::now_v7()),
+            json!({"type": "OrderCancelled", "order_id": order, "version": 2}),
+        )
+    };
+
+    // before: the held charge is cancelled under its record's lock; the completer never sends it
+    let before = uuid::Uuid::now_v7();
+    apply(placed(before, "10.00")).await??;
+    apply(cancelled(before)).await??;
+    assert_eq!(completer.round().await?.completed, 0);
+    assert_eq!(standin.calls.load(SeqCst), 0, "a cancelled order was charged");
+
+    // between: the charge is out; the cancellation waits until it is final, then the provider refunds it
+    let between = uuid::Uuid::now_v7();
+    apply(placed(between, "20.00")).await??;
+    standin.delay_ms.store(1_500, SeqCst);
+    let round = tokio::spawn({
+        let completer = completer.clone();
+        async move { completer.round().await }
+    });
+    while standin.calls.load(SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let cancel = cancelled(between);
+    let waited = apply(cancel.clone()).await?;
+    assert!(matches!(waited, Err(HandlerError::Store(_))), "a transient wait, retried: {waited:?}");
+    assert_eq!(round.await??.completed, 1, "the charge completed");
+    standin.delay_ms.store(0, SeqCst);
+    apply(cancel).await??;
+    assert_eq!(standin.refunds_made.load(SeqCst), 0, "nothing refunded before the completer sends the refund");
+    let outbox = |kind: &'static str| {
+        let pool = db.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox_message WHERE type = $1")
+                .bind(kind)
+                .fetch_one(&pool)
+                .await
+        }
+    };
+    assert_eq!(outbox("PaymentRefunded").await?, 0, "announced before the provider confirmed");
+    assert_eq!(completer.round().await?.completed, 1, "the refund, through the provider");
+    assert_eq!(standin.refunds_made.load(SeqCst), 1);
+
+    // after: charged, then cancelled: refunded at the provider
+    let after = uuid::Uuid::now_v7();
+    apply(placed(after, "30.00")).await??;
+    assert_eq!(completer.round().await?.completed, 1);
+    apply(cancelled(after)).await??;
+    assert_eq!(completer.round().await?.completed, 1);
+    assert_eq!(standin.refunds_made.load(SeqCst), 2);
+    assert_eq!(standin.charges.load(SeqCst), 2, "the orders charged: between and after");
+    let refunded: Vec<(String, i64)> =
+        sqlx::query_as("SELECT status, (refunded_amount * 100)::bigint FROM payment ORDER BY amount")
+            .fetch_all(db.pool())
+            .await?;
+    assert_eq!(refunded, vec![("refunded".to_owned(), 2000), ("refunded".to_owned(), 3000)]);
+    for (charge, _, _) in standin.charges_made() {
+        let minor: i64 =
+            sqlx::query_scalar("SELECT (amount * 100)::bigint FROM payment WHERE external_payment_id = $1")
+                .bind(&charge)
+                .fetch_one(db.pool())
+                .await?;
+        assert_eq!(standin.refunded_of(&charge), minor, "refunded at the provider: {charge}");
+    }
+    assert_eq!(outbox("PaymentRefunded").await?, 2);
     Ok(())
 }
