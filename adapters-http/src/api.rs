@@ -214,6 +214,9 @@ fn json_response(status: StatusCode, body: &impl Serialize, location: Option<Str
 const CHARGE_FIELDS: &[&str] =
     &["order_id", "customer_id", "provider", "external_payment_id", "amount", "currency", "payment_method"];
 
+/// Why a request past the provider's window is parked: its call was looked up and not found.
+const PARKED_NOT_FOUND: &str = "past the provider's idempotency window and not found there by its reference: sending it again could act twice; check the provider, then resume (looked up again) or abandon";
+
 /// The recovery point (and downstream key step) of a charge through the provider.
 pub const CHARGE_STEP: &str = "charge";
 
@@ -360,7 +363,16 @@ async fn charge_through_provider(
         _ => return Ok(payment_created(&pending)),
     }
     let call = tx.foreign_call(CHARGE_STEP).await?;
-    let charged = provider.charge(call.key(), &cmd.charge_request(payment_id)).await;
+    let charged = if call.past_window() {
+        // the provider may have forgotten the key: a repeat could charge twice; look it up instead
+        match provider.find_charge(&payment_id.to_string()).await {
+            Ok(Some(found)) => Ok(found),
+            Ok(None) => return Err(tx.park(call, PARKED_NOT_FOUND).await.into()),
+            Err(e) => Err(e),
+        }
+    } else {
+        provider.charge(call.key(), &cmd.charge_request(payment_id)).await
+    };
     match charged {
         Ok(charge) => {
             tx.resume(call).await?;
@@ -536,7 +548,17 @@ async fn refund_through_provider(
         reference: refund_id.to_string(),
     };
     let call = tx.foreign_call(REFUND_STEP).await?;
-    match provider.refund(call.key(), &request).await {
+    let refunded = if call.past_window() {
+        // the provider may have forgotten the key: a repeat could refund twice; look it up instead
+        match provider.find_refund(&request.reference).await {
+            Ok(Some(found)) => Ok(found),
+            Ok(None) => return Err(tx.park(call, PARKED_NOT_FOUND).await.into()),
+            Err(e) => Err(e),
+        }
+    } else {
+        provider.refund(call.key(), &request).await
+    };
+    match refunded {
         Ok(_) => {
             tx.resume(call).await?;
             refund_answer(refund_payment((state.payments_of)(tx.uow())?, state.env(), &cmd).await)

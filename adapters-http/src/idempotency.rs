@@ -128,6 +128,11 @@ pub struct IdempotencyConfig {
     /// default): the lease must only be live. Keep it below `lease` (`idem serve` sets
     /// `PAYMENT_PROVIDER_TIMEOUT` + 1 s and refuses a shorter `IDEMPOTENCY_LEASE`).
     pub call_bound: Duration,
+    /// The other side's idempotency window, from a request's first claim (`COMPLETER_WINDOW` in `idem
+    /// serve`): an attempt that takes a request over past it must not send its call again under the old key
+    /// — [`ForeignCall::past_window`] says so, and the handler looks the outcome up instead (found: the
+    /// second phase with it; not found: [`Tx::park`]). `None` (the toolkit's default): no window.
+    pub window: Option<Duration>,
     /// Whether a first send records its key at commit (one write of the record, after the handler) instead
     /// of claiming it first (a write before the handler and its completion after): `true` by default. Both
     /// keep every guarantee (`model/src/http_claim.rs`); at commit, a duplicate on another instance runs
@@ -165,6 +170,7 @@ impl IdempotencyConfig {
             new_keys: None,
             lease: idem_domain::phases::DEFAULT_LEASE,
             call_bound: Duration::ZERO,
+            window: None,
             record_at_commit: true,
             fingerprint: None,
         }
@@ -413,6 +419,8 @@ struct PhaseContext {
     lease: Duration,
     /// [`IdempotencyConfig::call_bound`].
     call_bound: Duration,
+    /// Taken over past the other side's window ([`ForeignCall::past_window`]).
+    past_window: bool,
     /// This execution's attempt (1, or one more than the attempt it took over).
     attempt: u32,
     /// The recovery point a taken-over record had reached.
@@ -451,6 +459,7 @@ pub struct ForeignCall {
     renewal: tokio::task::JoinHandle<()>,
     /// The call's span: from the first phase's commit to the second phase (or the answer without one).
     span: tracing::Span,
+    past_window: bool,
 }
 
 impl ForeignCall {
@@ -458,6 +467,14 @@ impl ForeignCall {
     /// attempt of this request, on every instance, after any restart ([`idem_domain::phases::downstream_key`]).
     pub fn key(&self) -> &str {
         &self.key
+    }
+
+    /// Whether this attempt took the request over past the other side's idempotency window
+    /// ([`IdempotencyConfig::window`]): the other side may have forgotten the key, so sending the call
+    /// again could act twice. Look its outcome up instead (by a reference the first call carried); found,
+    /// resume with it; not found, [`Tx::park`] it for an operator.
+    pub fn past_window(&self) -> bool {
+        self.past_window
     }
 
     /// The call's span: instrument the call with it (`.instrument(call.span().clone())`) so the client's
@@ -593,6 +610,7 @@ impl Tx {
         Ok(ForeignCall {
             key: idem_domain::phases::downstream_key(&ctx.claim.scope, &ctx.claim.key, step),
             renewal,
+            past_window: ctx.past_window,
             span: if idem_ports::trace::current_sampled() {
                 tracing::debug_span!("foreign call", otel.kind = "internal", step, attempt = ctx.attempt)
             } else {
@@ -650,6 +668,28 @@ impl Tx {
         Problem::new(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE)
             .detail("the other system did not answer; retry with the same Idempotency-Key after Retry-After: the retry asks it again under the same key, so it acts at most once")
             .retry_after(wait)
+    }
+
+    /// Parks a [`Tx::foreign_call`] whose outcome cannot be known without an operator (past the other
+    /// side's window and not found there): no retry or completer sends it again until `idem keys resume`
+    /// (which looks it up again) or `abandon`. Answers `503 outcome-unknown`; return it from the handler.
+    pub async fn park(&mut self, call: ForeignCall, reason: &str) -> Problem {
+        drop(call);
+        if let Some(ctx) = self.1.clone() {
+            let parked = async {
+                let mut uow = ctx.tm.begin().await?;
+                let now = ctx.clock.now();
+                uow.idempotency().park(&ctx.claim.scope, &ctx.claim.key, reason, now).await?;
+                uow.commit().await
+            };
+            if let Err(e) = parked.await {
+                tracing::warn!(error = %e, "could not park a request; its lease lapses and it is decided again");
+            }
+            tracing::warn!(scope = %ctx.claim.scope, key = %ctx.claim.key.escape_debug(), reason, "request parked for an operator");
+        }
+        Problem::new(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE)
+            .detail("the request is parked for an operator: its outcome at the other system cannot be known safely (past its idempotency window, not found there); retrying does not change it")
+            .retry_after(3600)
     }
 
     /// Starts the second phase after a [`Tx::foreign_call`]: a new unit of work that holds the key's record
@@ -1018,7 +1058,8 @@ where
                 Ok(uow) => uow,
                 Err(e) => return store_failure(&e),
             };
-            let run = Run { claim: claim.clone(), attempt: 1, resume_at: None, claimed: false, deadline };
+            let run =
+                Run { claim: claim.clone(), attempt: 1, past_window: false, resume_at: None, claimed: false, deadline };
             match execute(&shared, inner.clone(), parts.clone(), body.clone(), uow, Some(run)).await {
                 Executed::Answer(response) => return response,
                 Executed::KeyTaken => tracing::debug!(key = %claim.key, "key taken meanwhile: decided again"),
@@ -1062,7 +1103,7 @@ where
                     .retry_after(u32::try_from(wait.as_secs().max(1)).unwrap_or(u32::MAX));
                 return tagged(problem.into_response(), "rate_limited");
             }
-            let run = Run { claim, attempt: 1, resume_at: None, claimed: true, deadline };
+            let run = Run { claim, attempt: 1, past_window: false, resume_at: None, claimed: true, deadline };
             answer(execute(&shared, inner, parts, body, uow, Some(run)).await)
         }
         Ok(ClaimOutcome::Existing(record)) => match decide(Some(&record), &fingerprint, now) {
@@ -1117,11 +1158,12 @@ where
     S: Service<Request<Body>, Response = Response, Error = Infallible> + Clone + Send,
     S::Future: Send,
 {
-    match uow.idempotency().take_over(&claim.scope, &claim.key, attempt, shared.config.lease).await {
-        Ok(TakeOver::Taken) => {
+    let config = &shared.config;
+    match uow.idempotency().take_over(&claim.scope, &claim.key, attempt, config.lease, config.window).await {
+        Ok(TakeOver::Taken { past_window }) => {
             let attempt = attempt + 1;
-            tracing::info!(key = %claim.key, attempt, resume_at, "taking over a request whose attempt lost its lease");
-            let run = Run { claim, attempt, resume_at: Some(resume_at), claimed: true, deadline };
+            tracing::info!(key = %claim.key, attempt, resume_at, past_window, "taking over a request whose attempt lost its lease");
+            let run = Run { claim, attempt, past_window, resume_at: Some(resume_at), claimed: true, deadline };
             match execute(shared, inner, parts, body, uow, Some(run)).await {
                 Executed::Answer(response) => response,
                 Executed::KeyTaken => in_flight(),
@@ -1129,6 +1171,12 @@ where
         }
         // held, or locked by the live attempt's second phase (the claim's bounded lock wait ran out)
         Ok(TakeOver::Held) | Err(StoreError::LockTimeout) => in_flight(),
+        Ok(TakeOver::Parked) => {
+            let problem = Problem::new(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE)
+                .detail("the request is parked for an operator (`idem keys held --parked`): nothing is sent until it is resumed or abandoned")
+                .retry_after(3600);
+            tagged(problem.into_response(), "in_flight")
+        }
         Ok(TakeOver::NotBefore(wait)) => {
             let problem = Problem::new(ProblemKind::OutcomeUnknown, StatusCode::SERVICE_UNAVAILABLE)
                 .detail("the other system's answer to this request is unknown and it asked to wait: retry with the same Idempotency-Key after Retry-After; nothing was sent")
@@ -1150,6 +1198,7 @@ fn wait_left(deadline: tokio::time::Instant) -> Duration {
 struct Run {
     claim: IdempotencyClaim,
     attempt: u32,
+    past_window: bool,
     resume_at: Option<String>,
     claimed: bool,
     deadline: tokio::time::Instant,
@@ -1182,6 +1231,7 @@ where
             clock: shared.clock.clone(),
             lease: shared.config.lease,
             call_bound: shared.config.call_bound,
+            past_window: run.past_window,
             attempt: run.attempt,
             resume_at: run.resume_at,
             entered: std::sync::atomic::AtomicBool::new(false),

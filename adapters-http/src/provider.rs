@@ -46,6 +46,11 @@ struct RefundBody {
 }
 
 #[derive(Deserialize)]
+struct Listed<T> {
+    data: Vec<T>,
+}
+
+#[derive(Deserialize)]
 struct ErrorBody {
     error: ErrorDetail,
 }
@@ -113,6 +118,20 @@ impl PaymentProvider for HttpPaymentProvider {
         let refund: RefundBody = self.post("/v1/refunds", idempotency_key, &body).await?;
         Ok(ProviderRefund { id: refund.id, amount_minor: refund.amount_minor })
     }
+
+    async fn find_charge(&self, reference: &str) -> Result<Option<Charge>, ProviderError> {
+        let found: Listed<ChargeBody> = self.get("/v1/charges", reference).await?;
+        Ok(found.data.into_iter().next().map(|c| Charge {
+            id: c.id,
+            amount_minor: c.amount_minor,
+            currency: c.currency,
+        }))
+    }
+
+    async fn find_refund(&self, reference: &str) -> Result<Option<ProviderRefund>, ProviderError> {
+        let found: Listed<RefundBody> = self.get("/v1/refunds", reference).await?;
+        Ok(found.data.into_iter().next().map(|r| ProviderRefund { id: r.id, amount_minor: r.amount_minor }))
+    }
 }
 
 impl HttpPaymentProvider {
@@ -124,14 +143,29 @@ impl HttpPaymentProvider {
         idempotency_key: &str,
         body: &serde_json::Value,
     ) -> Result<T, ProviderError> {
-        let reply = self
+        let request = self
             .http
             .post(format!("{}{path}", self.base))
             .bearer_auth(&self.api_key)
             .header("idempotency-key", idempotency_key)
-            .json(body)
-            .send()
-            .await;
+            .json(body);
+        self.answer(request).await
+    }
+
+    /// Lists what `path` holds with `reference` (`GET {path}?reference=…` → `{"data": […], "has_more":
+    /// false}`), read like any answer.
+    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str, reference: &str) -> Result<T, ProviderError> {
+        let request =
+            self.http.get(format!("{}{path}", self.base)).bearer_auth(&self.api_key).query(&[("reference", reference)]);
+        self.answer(request).await
+    }
+
+    /// Sends `request`: the provider's `T` for a `2xx`, or what the answer means.
+    async fn answer<T: serde::de::DeserializeOwned>(
+        &self,
+        request: reqwest::RequestBuilder,
+    ) -> Result<T, ProviderError> {
+        let reply = request.send().await;
         let mut reply = match reply {
             Ok(reply) => reply,
             // refused before anything was sent: nothing is in process at the provider (reqwest's text

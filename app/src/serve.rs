@@ -194,6 +194,9 @@ fn api(args: &ServeArgs, store: &PgStore, checked: &Checked, registry: &mut Regi
     config.lease = args.idempotency_lease;
     if args.provider.payment_provider_url.is_some() {
         config.call_bound = args.provider.call_bound();
+        // the provider's window on every path: a retry, the completer and a resumed record past it look
+        // the outcome up instead of sending again
+        config.window = Some(args.provider.completer_window);
     }
     config.new_keys = std::num::NonZeroU32::new(args.merchant_new_keys_per_second).map(|rate| {
         let burst = std::num::NonZeroU32::new(args.merchant_new_keys_burst).unwrap_or(rate);
@@ -244,7 +247,9 @@ fn completer(
         interval: args.provider.completer_interval,
         // a client has one lease to come back before the completer takes its request over
         grace: args.idempotency_lease,
-        window: args.provider.completer_window,
+        // the layer applies the window (it looks a request past it up, then parks it if not found): the
+        // completer re-sends through it instead of parking unseen, so a resumed record is looked up
+        window: std::time::Duration::from_secs(3650 * 24 * 3600),
         request_timeout: args.http_request_timeout,
         ..Default::default()
     };

@@ -87,4 +87,18 @@ pub trait PaymentProvider: Send + Sync {
 
     /// Refunds once per `idempotency_key`, like [`PaymentProvider::charge`].
     async fn refund(&self, idempotency_key: &str, request: &RefundRequest) -> Result<ProviderRefund, ProviderError>;
+
+    /// The charge made with `reference` (idem's payment id), if any: how the outcome of a call is known once
+    /// the provider's idempotency window passed (sending it again could charge twice). The default knows
+    /// nothing (an unknown outcome: the request stays held).
+    async fn find_charge(&self, reference: &str) -> Result<Option<Charge>, ProviderError> {
+        let _ = reference;
+        Err(ProviderError::Unknown { why: "this provider cannot look charges up".into(), retry_after: None })
+    }
+
+    /// The refund made with `reference` (idem's refund id), if any, like [`PaymentProvider::find_charge`].
+    async fn find_refund(&self, reference: &str) -> Result<Option<ProviderRefund>, ProviderError> {
+        let _ = reference;
+        Err(ProviderError::Unknown { why: "this provider cannot look refunds up".into(), retry_after: None })
+    }
 }

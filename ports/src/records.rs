@@ -313,8 +313,14 @@ pub enum HeldCall {
 /// Outcome of [`crate::IdempotencyRepository::take_over`], decided on the database's clock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TakeOver {
-    /// The next attempt holds the record now.
-    Taken,
+    /// The next attempt holds the record now; `past_window`: its first claim is older than the other
+    /// side's idempotency window, so its call must not be sent again under its key (look the outcome up).
+    Taken {
+        /// Older than the window given to `take_over`.
+        past_window: bool,
+    },
+    /// Parked for an operator: nobody takes it over until `idem keys resume` or `abandon`.
+    Parked,
     /// Its lease is live (or it was renewed, completed or taken over meanwhile): in flight.
     Held,
     /// Its last call's outcome is unknown and the other side asked to wait (or a backoff runs): no call

@@ -299,15 +299,17 @@ pub trait IdempotencyRepository: Send {
     }
 
     /// Takes over a record held by `attempt` whose lease lapsed and whose `not_before` passed, both on the
-    /// database's clock: the next attempt holds it for `lease` from the database's now.
+    /// database's clock: the next attempt holds it for `lease` from the database's now. `window`: the other
+    /// side's idempotency window, measured from the record's first claim (`TakeOver::Taken::past_window`).
     async fn take_over(
         &mut self,
         scope: &str,
         key: &str,
         attempt: u32,
         lease: Duration,
+        window: Option<Duration>,
     ) -> Result<TakeOver, StoreError> {
-        let _ = (scope, key, attempt, lease);
+        let _ = (scope, key, attempt, lease, window);
         Err(StoreError::Other("this store does not hold records between phases".into()))
     }
 

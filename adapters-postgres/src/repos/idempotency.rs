@@ -186,34 +186,39 @@ impl IdempotencyRepository for PgUnitOfWork {
         key: &str,
         attempt: u32,
         lease: Duration,
+        window: Option<Duration>,
     ) -> Result<TakeOver, StoreError> {
         let attempt = attempt_column(attempt)?;
         // both instants on the database's clock: a host whose clock is ahead cannot take over a live lease;
         // taken, the claim's bounded lock wait is put back to the session's (the handler runs next)
-        let taken = sqlx::query_scalar!(
+        let taken = sqlx::query!(
             r#"UPDATE idempotency_record
                SET attempt = attempt + 1, lease_until = clock_timestamp() + make_interval(secs => $4::float8),
                    not_before = NULL
                WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt = $3
                  AND lease_until <= clock_timestamp() AND (not_before IS NULL OR not_before <= clock_timestamp())
                  AND parked_at IS NULL
-               RETURNING set_config('lock_timeout', NULL, true) IS NOT NULL AS "reset!""#,
+               RETURNING set_config('lock_timeout', NULL, true) IS NOT NULL AS "reset!",
+                         coalesce(created_at + make_interval(secs => $5::float8) <= clock_timestamp(), false)
+                             AS "past_window!""#,
             scope,
             key,
             attempt,
             lease.as_secs_f64(),
+            window.map(|w| w.as_secs_f64()),
         )
         .fetch_optional(self.db())
         .await
         .map_err(|e| self.failed(e))?;
-        if taken.is_some() {
-            return Ok(TakeOver::Taken);
+        if let Some(taken) = taken {
+            return Ok(TakeOver::Taken { past_window: taken.past_window });
         }
-        let wait = sqlx::query_scalar!(
-            r#"SELECT extract(epoch FROM not_before - clock_timestamp())::float8 AS "wait!"
+        let why = sqlx::query!(
+            r#"SELECT parked_at IS NOT NULL AS "parked!",
+                      CASE WHEN lease_until <= clock_timestamp() AND not_before > clock_timestamp()
+                           THEN extract(epoch FROM not_before - clock_timestamp())::float8 END AS wait
                FROM idempotency_record
-               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt = $3
-                 AND lease_until <= clock_timestamp() AND not_before > clock_timestamp()"#,
+               WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND attempt = $3"#,
             scope,
             key,
             attempt,
@@ -221,8 +226,11 @@ impl IdempotencyRepository for PgUnitOfWork {
         .fetch_optional(self.db())
         .await
         .map_err(|e| self.failed(e))?;
-        Ok(match wait {
-            Some(secs) => TakeOver::NotBefore(Duration::from_secs_f64(secs.max(0.0))),
+        Ok(match why {
+            Some(r) if r.parked => TakeOver::Parked,
+            Some(r) => {
+                r.wait.map_or(TakeOver::Held, |secs| TakeOver::NotBefore(Duration::from_secs_f64(secs.max(0.0))))
+            }
             None => TakeOver::Held,
         })
     }

@@ -37,6 +37,8 @@ pub struct StandIn {
     refunds: Mutex<HashMap<String, (Value, Value)>>,
     /// Refunds made.
     pub refunds_made: AtomicUsize,
+    /// Lookups received (`GET /v1/charges`, `GET /v1/refunds`).
+    pub lookups: AtomicUsize,
 }
 
 impl StandIn {
@@ -97,6 +99,27 @@ impl StandIn {
         }
     }
 
+    /// The Bearer key, checked.
+    #[allow(clippy::result_large_err)] // one per call of a test double
+    fn authenticated(&self, headers: &HeaderMap) -> Result<(), Answer> {
+        let bearer = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        if bearer != Some(self.api_key.as_str()) {
+            return Err(error(StatusCode::UNAUTHORIZED, "authentication_error", "invalid_api_key"));
+        }
+        Ok(())
+    }
+
+    /// Forgets every idempotency key, as a provider does once its window (24 h at Stripe) passed: a repeated
+    /// key then makes a new charge. The charges stay (and are found by reference).
+    pub fn forget_keys(&self) {
+        if let Ok(mut answers) = self.answers.lock() {
+            let kept: Vec<(Value, Value)> = answers.drain().map(|(_, v)| v).collect();
+            for (n, v) in kept.into_iter().enumerate() {
+                answers.insert(format!("forgotten-{n}"), v);
+            }
+        }
+    }
+
     /// What every call goes through first: counted, authenticated, keyed, and failed when told to.
     #[allow(clippy::result_large_err)] // one per call of a test double
     fn admit(&self, headers: &HeaderMap) -> Result<String, Answer> {
@@ -127,8 +150,8 @@ impl StandIn {
 pub async fn start(api_key: &str) -> anyhow::Result<(Arc<StandIn>, String)> {
     let state = Arc::new(StandIn { api_key: api_key.to_owned(), ..StandIn::default() });
     let router = axum::Router::new()
-        .route("/v1/charges", axum::routing::post(charge))
-        .route("/v1/refunds", axum::routing::post(refund))
+        .route("/v1/charges", axum::routing::post(charge).get(list_charges))
+        .route("/v1/refunds", axum::routing::post(refund).get(list_refunds))
         .with_state(state.clone());
     Ok((state, super::serve(router).await?))
 }
@@ -160,6 +183,50 @@ async fn charge(State(p): State<Arc<StandIn>>, headers: HeaderMap, Json(params):
         }
     };
     p.answer(answer).await
+}
+
+/// `GET /v1/charges?reference=…`: the charges made with that reference (`{"data": […], "has_more":
+/// false}`), as a provider's lookup answers once its idempotency window forgot the key.
+async fn list_charges(
+    State(p): State<Arc<StandIn>>,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<HashMap<String, String>>,
+) -> Answer {
+    p.lookups.fetch_add(1, SeqCst);
+    if let Err(refusal) = p.authenticated(&headers) {
+        return refusal;
+    }
+    let reference = q.get("reference").cloned().unwrap_or_default();
+    let found: Vec<Value> = p
+        .answers
+        .lock()
+        .map(|a| {
+            a.values()
+                .filter(|(_, c)| c["reference"] == reference.as_str() && c["status"] == "succeeded")
+                .map(|(_, c)| c.clone())
+                .collect()
+        })
+        .unwrap_or_default();
+    (StatusCode::OK, HeaderMap::new(), Json(json!({"data": found, "has_more": false})))
+}
+
+/// `GET /v1/refunds?reference=…`, like [`list_charges`].
+async fn list_refunds(
+    State(p): State<Arc<StandIn>>,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<HashMap<String, String>>,
+) -> Answer {
+    p.lookups.fetch_add(1, SeqCst);
+    if let Err(refusal) = p.authenticated(&headers) {
+        return refusal;
+    }
+    let reference = q.get("reference").cloned().unwrap_or_default();
+    let found: Vec<Value> = p
+        .refunds
+        .lock()
+        .map(|r| r.values().filter(|(_, a)| a["reference"] == reference.as_str()).map(|(_, a)| a.clone()).collect())
+        .unwrap_or_default();
+    (StatusCode::OK, HeaderMap::new(), Json(json!({"data": found, "has_more": false})))
 }
 
 /// `POST /v1/refunds`: a refund of a charge made here, at most what is left of it; a repeated key with the

@@ -1509,11 +1509,11 @@ async fn a_late_original_is_fenced_out_after_a_takeover() -> anyhow::Result<()> 
     uow.commit().await?;
     let mut uow = db.store.begin().await?;
     assert_eq!(
-        uow.idempotency().take_over("m", "fenced", 1, Duration::from_secs(30)).await?,
-        idem_ports::TakeOver::Taken
+        uow.idempotency().take_over("m", "fenced", 1, Duration::from_secs(30), None).await?,
+        idem_ports::TakeOver::Taken { past_window: false }
     );
     assert_eq!(
-        uow.idempotency().take_over("m", "fenced", 1, Duration::from_secs(30)).await?,
+        uow.idempotency().take_over("m", "fenced", 1, Duration::from_secs(30), None).await?,
         idem_ports::TakeOver::Held,
         "twice"
     );
@@ -1553,8 +1553,8 @@ async fn a_key_reused_after_its_record_expired_holds_a_lease_again() -> anyhow::
     uow.commit().await?;
     let mut uow = db.store.begin().await?;
     assert_eq!(
-        uow.idempotency().take_over("m", "reused", 1, Duration::from_secs(30)).await?,
-        idem_ports::TakeOver::Taken
+        uow.idempotency().take_over("m", "reused", 1, Duration::from_secs(30), None).await?,
+        idem_ports::TakeOver::Taken { past_window: false }
     );
     uow.idempotency().complete("m", "reused", &response).await?;
     uow.commit().await?;

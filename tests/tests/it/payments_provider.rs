@@ -36,7 +36,7 @@ fn reference_router(
     call_timeout: Duration,
     lease: Duration,
 ) -> anyhow::Result<axum::Router> {
-    reference_router_on(store, provider_base, call_timeout, lease, Arc::new(SystemClock))
+    reference_router_on(store, provider_base, call_timeout, lease, Arc::new(SystemClock), None)
 }
 
 /// [`reference_router`] on a host whose clock is `clock`.
@@ -46,6 +46,7 @@ fn reference_router_on(
     call_timeout: Duration,
     lease: Duration,
     clock: Arc<dyn idem_ports::Clock>,
+    window: Option<Duration>,
 ) -> anyhow::Result<axum::Router> {
     let provider: Arc<dyn PaymentProvider> =
         Arc::new(HttpPaymentProvider::new("standin", provider_base, PROVIDER_KEY, call_timeout)?);
@@ -61,6 +62,7 @@ fn reference_router_on(
     let mut config =
         IdempotencyConfig::new(TtlPolicy::new(Duration::from_secs(48 * 3600))?, idem_http::merchant_scope());
     config.lease = lease;
+    config.window = window;
     let layer = IdempotencyLayer::new(tm, clock, config);
     let keys = Arc::new(ApiKeys::parse(&format!("merchant_a:{API_KEY}")).map_err(anyhow::Error::msg)?);
     let webhooks = idem_http::webhooks::WebhookState::new(state.clone(), "standin".into(), WEBHOOK_SECRET.as_bytes())?;
@@ -326,7 +328,8 @@ async fn the_completer_finishes_parks_and_the_operator_resumes_or_abandons() -> 
     let listed = db.store.held_records(true, 10).await?;
     assert_eq!(listed.iter().map(|r| r.key.as_str()).collect::<Vec<_>>(), ["completer-late-1"]);
     let retry = charge(&base, "completer-late-1", &late).await?;
-    assert_eq!(retry.status, 409, "a parked request is not taken over by a retry: {}", retry.body);
+    assert_eq!(retry.status, 503, "a parked request is not taken over by a retry: {}", retry.body);
+    assert!(retry.body["detail"].as_str().unwrap_or_default().contains("parked"), "{}", retry.body);
     assert_eq!(standin.charges.load(SeqCst), 1, "nothing re-sent while parked");
     assert!(db.store.resume_held("merchant_a", "completer-late-1").await?);
     let round = completer(Duration::from_secs(3600)).round().await?;
@@ -770,7 +773,8 @@ async fn a_host_whose_clock_is_ahead_never_takes_over_a_live_lease() -> anyhow::
     let ahead = Arc::new(idem_tests::effects::ShiftedClock::new());
     ahead.advance(chrono::Duration::seconds(40));
     let skewed =
-        idem_tests::serve(reference_router_on(&db.store, &provider, Duration::from_secs(5), lease, ahead)?).await?;
+        idem_tests::serve(reference_router_on(&db.store, &provider, Duration::from_secs(5), lease, ahead, None)?)
+            .await?;
     standin.delay_ms.store(1_500, SeqCst);
     let body = card("pm_card_visa", "40.00");
     let first = tokio::spawn({
@@ -1023,4 +1027,70 @@ async fn a_cancelled_order_is_never_charged_after_and_its_charge_is_refunded_at_
     }
     assert_eq!(outbox("PaymentRefunded").await?, 2);
     Ok(())
+}
+
+/// Issue 45.3: `COMPLETER_WINDOW` was checked only by the completer. A client retrying through a provider
+/// outage longer than the provider's key window took the record over on every retry, and the first retry
+/// after the window was charged again under a key the provider had forgotten (two charges). The window is
+/// the layer's: past it a call is never sent again under the old key — its outcome is looked up by
+/// reference: found, the second phase records that charge; not found, the request is parked.
+#[tokio::test]
+async fn past_the_providers_window_a_retry_looks_the_charge_up_and_never_sends_it_again() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let window = Some(Duration::from_secs(2));
+    let router = reference_router_on(
+        &db.store,
+        &provider,
+        Duration::from_millis(500),
+        Duration::from_secs(2),
+        Arc::new(SystemClock),
+        window,
+    )?;
+    let base = idem_tests::serve(router).await?;
+    let retry_until = |key: &'static str, body: Value, until: std::time::Instant| {
+        let base = base.clone();
+        async move {
+            let mut last = charge(&base, key, &body).await?;
+            while std::time::Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                last = charge(&base, key, &body).await?;
+            }
+            Ok::<_, anyhow::Error>(last)
+        }
+    };
+
+    // 1. charged, its answer lost (later than the call's bound); the provider forgets the key after its
+    //    window; the retry past the window finds the charge instead of making a second one
+    standin.delay_ms.store(800, SeqCst);
+    let lost = card("pm_card_visa", "70.00");
+    let first = charge(&base, "window-lost-1", &lost).await?;
+    assert_eq!(first.status, 503, "{}", first.body);
+    standin.delay_ms.store(0, SeqCst);
+    tokio::time::sleep(Duration::from_millis(2_600)).await; // the lease and the window passed
+    standin.forget_keys();
+    let found = retry_until("window-lost-1", lost.clone(), std::time::Instant::now()).await?;
+    assert_eq!(found.status, 201, "{}", found.body);
+    assert_eq!(standin.charges.load(SeqCst), 1, "charged again under a forgotten key");
+    assert!(standin.lookups.load(SeqCst) >= 1, "looked up");
+
+    // 2. an outage longer than the window, the client retrying every 300 ms: never charged past the window;
+    //    not found there, the request is parked (and stays so for further retries)
+    standin.fail_status.store(503, SeqCst);
+    standin.fail_retry_after.store(1, SeqCst);
+    standin.failures.store(1_000, SeqCst);
+    let outage = card("pm_card_visa", "80.00");
+    let during =
+        retry_until("window-outage-1", outage.clone(), std::time::Instant::now() + Duration::from_secs(3)).await?;
+    assert_eq!(during.status, 503, "{}", during.body);
+    standin.failures.store(0, SeqCst);
+    standin.forget_keys();
+    let calls = standin.calls.load(SeqCst);
+    let after = retry_until("window-outage-1", outage, std::time::Instant::now() + Duration::from_secs(1)).await?;
+    assert_eq!(after.status, 503, "{}", after.body);
+    assert!(after.body["detail"].as_str().unwrap_or_default().contains("parked"), "{}", after.body);
+    assert_eq!(standin.calls.load(SeqCst), calls, "a call sent past the window");
+    assert_eq!(standin.charges.load(SeqCst), 1);
+    assert_eq!(db.store.health().await?.parked_records, 1);
+    assert_money_conserved(&db, &standin).await
 }
