@@ -217,6 +217,17 @@ const CHARGE_FIELDS: &[&str] =
 /// Why a request past the provider's window is parked: its call was looked up and not found.
 const PARKED_NOT_FOUND: &str = "past the provider's idempotency window and not found there by its reference: sending it again could act twice; check the provider, then resume (looked up again) or abandon";
 
+/// A lookup that failed says nothing of the call it looks for: never a refusal to store (a `404` for an
+/// unknown reference parameter would decline a charge that may exist), always an unknown outcome.
+fn lookup_failed(e: ProviderError) -> ProviderError {
+    match e {
+        ProviderError::Refused { code } => {
+            ProviderError::Unknown { why: format!("the lookup was refused ({code})"), retry_after: None }
+        }
+        other => other,
+    }
+}
+
 /// The recovery point (and downstream key step) of a charge through the provider.
 pub const CHARGE_STEP: &str = "charge";
 
@@ -368,7 +379,7 @@ async fn charge_through_provider(
         match provider.find_charge(&payment_id.to_string()).await {
             Ok(Some(found)) => Ok(found),
             Ok(None) => return Err(tx.park(call, PARKED_NOT_FOUND).await.into()),
-            Err(e) => Err(e),
+            Err(e) => Err(lookup_failed(e)),
         }
     } else {
         provider.charge(call.key(), &cmd.charge_request(payment_id)).await
@@ -445,11 +456,25 @@ pub async fn refund(
 ) -> Result<Response, ApiError> {
     let payment_id = Uuid::try_parse(&id).map_err(|_| not_found())?;
     let map = json_object(&headers, &body, &["amount", "reason"])?;
-    let amount = amount_field(&map)?;
+    let given = if map.contains_key("amount") { Some(amount_field(&map)?) } else { None };
     let reason = match map.get("reason") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(refund_reason(s).map_err(|e| invalid("reason", e))?),
         Some(_) => return Err(invalid("reason", "must be a string or null")),
+    };
+    let payment =
+        (state.payments_of)(tx.uow())?.payments().get_for_update(payment_id, Some(merchant.0.to_string())).await?;
+    // no amount: what is left to refund when the refund runs (a cancellation's compensation), under the
+    // payment's lock — never a figure taken earlier that a refund meanwhile made too large
+    let amount = match (given, &payment) {
+        (Some(amount), _) => amount,
+        (None, Some(p)) => Amount::try_from(idem_domain::payment::refundable(p)).map_err(|_| {
+            ApiError::from(
+                Problem::new(ProblemKind::RefundExceedsCaptured, StatusCode::CONFLICT)
+                    .detail("nothing is left to refund of this payment"),
+            )
+        })?,
+        (None, None) => return Err(not_found()),
     };
     let cmd = RefundCommand {
         id: None,
@@ -460,15 +485,18 @@ pub async fn refund(
         saga_id: None,
         traceparent: traceparent(&headers),
     };
-    if let Some(provider) = state.provider.clone() {
-        let payment =
-            (state.payments_of)(tx.uow())?.payments().get_for_update(payment_id, Some(merchant.0.to_string())).await?;
-        // only a charge idem made itself is refunded at the provider: `through_provider`, or an id of the
-        // provider flow (a UUID v8 intent id; an instance of the previous version, during a rolling deploy,
-        // writes such payments without the column)
-        if let Some(p) = payment.filter(|p| charged_here(p) && p.provider == provider.name()) {
-            return refund_through_provider(&state, provider, tx, cmd, p).await;
-        }
+    // only a charge idem made itself is refunded at the provider: `through_provider`, or an id of the
+    // provider flow (a UUID v8 intent id; an instance of the previous version, during a rolling deploy,
+    // writes such payments without the column)
+    if let Some(p) = payment.filter(charged_here) {
+        return match state.provider.clone().filter(|provider| p.provider == provider.name()) {
+            Some(provider) => refund_through_provider(&state, provider, tx, cmd, p).await,
+            // never refunded in idem only: the money is at the provider (an instance configured without it)
+            None => Err(Problem::new(ProblemKind::StoreUnavailable, StatusCode::SERVICE_UNAVAILABLE)
+                .detail("this payment is refunded through its payment provider, which this instance is not configured for; nothing was done")
+                .retry_after(30)
+                .into()),
+        };
     }
     refund_answer(refund_payment((state.payments_of)(tx.uow())?, state.env(), &cmd).await)
 }
@@ -531,6 +559,13 @@ async fn refund_through_provider(
         return refund_answer(Err(RefundError::Rule(RefundRuleError::NotRefundable(payment.status))));
     };
     if let Some(done) = (state.payments_of)(tx.uow())?.payments().get_refund(refund_id).await? {
+        if done.payment_id != payment.id {
+            // a stored refund answers only for its own payment
+            tracing::error!(refund = %refund_id, payment = %payment.id, "a refund id names another payment's refund");
+            return Err(Problem::new(ProblemKind::PaymentConflict, StatusCode::CONFLICT)
+                .detail("this Idempotency-Key names a refund of another payment: use a new key")
+                .into());
+        }
         // resumed after the provider's webhook recorded it
         return refund_answer(Ok((done, payment)));
     }
@@ -553,7 +588,7 @@ async fn refund_through_provider(
         match provider.find_refund(&request.reference).await {
             Ok(Some(found)) => Ok(found),
             Ok(None) => return Err(tx.park(call, PARKED_NOT_FOUND).await.into()),
-            Err(e) => Err(e),
+            Err(e) => Err(lookup_failed(e)),
         }
     } else {
         provider.refund(call.key(), &request).await

@@ -421,6 +421,8 @@ struct PhaseContext {
     call_bound: Duration,
     /// Taken over past the other side's window ([`ForeignCall::past_window`]).
     past_window: bool,
+    /// Which claim of the key this is ([`PhaseHold::generation`]): names derive from it.
+    generation: Option<i64>,
     /// This execution's attempt (1, or one more than the attempt it took over).
     attempt: u32,
     /// The recovery point a taken-over record had reached.
@@ -520,7 +522,13 @@ impl Tx {
     /// takeover, the completer — names the same row, so a resumed attempt finds what the first one wrote.
     /// `None` without an `Idempotency-Key`.
     pub fn intent_id(&self, name: &str) -> Option<uuid::Uuid> {
-        self.1.as_ref().map(|p| idem_domain::phases::intent_id(&p.claim.scope, &p.claim.key, name))
+        self.1.as_ref().map(|p| {
+            idem_domain::phases::intent_id(
+                &p.claim.scope,
+                &idem_domain::phases::generational_key(&p.claim.key, p.generation),
+                name,
+            )
+        })
     }
 
     /// Ends the first phase before a call to another system (a payment provider, an email, another
@@ -608,7 +616,11 @@ impl Tx {
             }
         });
         Ok(ForeignCall {
-            key: idem_domain::phases::downstream_key(&ctx.claim.scope, &ctx.claim.key, step),
+            key: idem_domain::phases::downstream_key(
+                &ctx.claim.scope,
+                &idem_domain::phases::generational_key(&ctx.claim.key, ctx.generation),
+                step,
+            ),
             renewal,
             past_window: ctx.past_window,
             span: if idem_ports::trace::current_sampled() {
@@ -767,6 +779,7 @@ impl PhaseContext {
             lease_until: lease.until,
             lease: self.lease,
             not_before: None,
+            generation: None,
             recovery_point: step.to_owned(),
             request: None,
         }
@@ -1058,8 +1071,16 @@ where
                 Ok(uow) => uow,
                 Err(e) => return store_failure(&e),
             };
-            let run =
-                Run { claim: claim.clone(), attempt: 1, past_window: false, resume_at: None, claimed: false, deadline };
+            let generation = Some(claim.created_at.timestamp_micros());
+            let run = Run {
+                claim: claim.clone(),
+                attempt: 1,
+                past_window: false,
+                generation,
+                resume_at: None,
+                claimed: false,
+                deadline,
+            };
             match execute(&shared, inner.clone(), parts.clone(), body.clone(), uow, Some(run)).await {
                 Executed::Answer(response) => return response,
                 Executed::KeyTaken => tracing::debug!(key = %claim.key, "key taken meanwhile: decided again"),
@@ -1103,16 +1124,18 @@ where
                     .retry_after(u32::try_from(wait.as_secs().max(1)).unwrap_or(u32::MAX));
                 return tagged(problem.into_response(), "rate_limited");
             }
-            let run = Run { claim, attempt: 1, past_window: false, resume_at: None, claimed: true, deadline };
+            let generation = Some(claim.created_at.timestamp_micros());
+            let run = Run { claim, attempt: 1, past_window: false, generation, resume_at: None, claimed: true, deadline };
             answer(execute(&shared, inner, parts, body, uow, Some(run)).await)
         }
         Ok(ClaimOutcome::Existing(record)) => match decide(Some(&record), &fingerprint, now) {
-            Decision::Resume { attempt, recovery_point } => {
-                take_over(&shared, inner, parts, body, uow, claim, (attempt, recovery_point.to_owned()), deadline).await
-            }
-            // held between phases with a live lease by this host's clock: the database's clock decides
-            Decision::InFlight if record.phase.is_some() => {
-                let held = record.phase.as_ref().map(|h| (h.attempt, h.recovery_point.clone())).unwrap_or_default();
+            // held between phases (with a live lease by this host's clock too: the database's clock decides)
+            Decision::Resume { .. } | Decision::InFlight if record.phase.is_some() => {
+                let held = record
+                    .phase
+                    .as_ref()
+                    .map(|h| Held { attempt: h.attempt, resume_at: h.recovery_point.clone(), generation: h.generation })
+                    .unwrap_or_default();
                 take_over(&shared, inner, parts, body, uow, claim, held, deadline).await
             }
             Decision::Replay(stored) => {
@@ -1132,11 +1155,19 @@ layer_problem(ProblemKind::IdempotencyKeyReused, config.conflict_status)
                 .into_response(),
                 "conflict",
             ),
-            Decision::InFlight | Decision::Execute => in_flight(),
+            Decision::Resume { .. } | Decision::InFlight | Decision::Execute => in_flight(),
         },
         Err(StoreError::LockTimeout) => in_flight(),
         Err(e) => store_failure(&e),
     }
+}
+
+/// What a held record says of the attempt that holds it.
+#[derive(Default)]
+struct Held {
+    attempt: u32,
+    resume_at: String,
+    generation: Option<i64>,
 }
 
 /// Takes over a record held by `held` (its attempt and recovery point) when the database's clock says its
@@ -1151,7 +1182,7 @@ async fn take_over<S>(
     body: Bytes,
     mut uow: Box<dyn UnitOfWork>,
     claim: IdempotencyClaim,
-    (attempt, resume_at): (u32, String),
+    Held { attempt, resume_at, generation }: Held,
     deadline: tokio::time::Instant,
 ) -> Response
 where
@@ -1163,7 +1194,8 @@ where
         Ok(TakeOver::Taken { past_window }) => {
             let attempt = attempt + 1;
             tracing::info!(key = %claim.key, attempt, resume_at, past_window, "taking over a request whose attempt lost its lease");
-            let run = Run { claim, attempt, past_window, resume_at: Some(resume_at), claimed: true, deadline };
+            let run =
+                Run { claim, attempt, past_window, generation, resume_at: Some(resume_at), claimed: true, deadline };
             match execute(shared, inner, parts, body, uow, Some(run)).await {
                 Executed::Answer(response) => response,
                 Executed::KeyTaken => in_flight(),
@@ -1199,6 +1231,7 @@ struct Run {
     claim: IdempotencyClaim,
     attempt: u32,
     past_window: bool,
+    generation: Option<i64>,
     resume_at: Option<String>,
     claimed: bool,
     deadline: tokio::time::Instant,
@@ -1232,6 +1265,7 @@ where
             lease: shared.config.lease,
             call_bound: shared.config.call_bound,
             past_window: run.past_window,
+            generation: run.generation,
             attempt: run.attempt,
             resume_at: run.resume_at,
             entered: std::sync::atomic::AtomicBool::new(false),

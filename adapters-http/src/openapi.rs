@@ -230,9 +230,9 @@ pub fn document() -> Value {
                     }
                 },
                 "RefundRequest": {
-                    "type": "object", "additionalProperties": false, "required": ["amount"],
+                    "type": "object", "additionalProperties": false,
                     "properties": {
-                        "amount": { "$ref": "#/components/schemas/Amount" },
+                        "amount": { "allOf": [{ "$ref": "#/components/schemas/Amount" }], "description": "Left out: everything left to refund when the refund runs" },
                         "reason": {
                             "type": ["string", "null"], "maxLength": REFUND_REASON_MAX_CHARS,
                             "pattern": "^[^\\u0000-\\u001F\\u007F-\\u009F]*$",

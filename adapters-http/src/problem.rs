@@ -297,6 +297,9 @@ impl IntoResponse for Problem {
         if self.commit {
             response.extensions_mut().insert(CommitRefusal);
         }
+        if let Some(kind) = self.kind {
+            response.extensions_mut().insert(kind);
+        }
         response
     }
 }

@@ -48,6 +48,25 @@ struct RefundBody {
 #[derive(Deserialize)]
 struct Listed<T> {
     data: Vec<T>,
+    #[serde(default)]
+    has_more: bool,
+}
+
+#[derive(Deserialize)]
+struct ListedCharge {
+    id: String,
+    amount_minor: i64,
+    currency: String,
+    reference: Option<String>,
+    status: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ListedRefund {
+    id: String,
+    amount_minor: i64,
+    reference: Option<String>,
+    status: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -120,17 +139,47 @@ impl PaymentProvider for HttpPaymentProvider {
     }
 
     async fn find_charge(&self, reference: &str) -> Result<Option<Charge>, ProviderError> {
-        let found: Listed<ChargeBody> = self.get("/v1/charges", reference).await?;
-        Ok(found.data.into_iter().next().map(|c| Charge {
-            id: c.id,
-            amount_minor: c.amount_minor,
-            currency: c.currency,
-        }))
+        let found: Listed<ListedCharge> = self.get("/v1/charges", reference).await?;
+        // only what the provider says is this reference's, succeeded, and one: a provider that ignored the
+        // filter (or lists failed attempts) must not hand another payment's charge to this one
+        let has_more = found.has_more;
+        let mine: Vec<ListedCharge> = found
+            .data
+            .into_iter()
+            .filter(|c| {
+                c.reference.as_deref() == Some(reference) && c.status.as_deref().is_none_or(|s| s == "succeeded")
+            })
+            .collect();
+        match mine.as_slice() {
+            [] if !has_more => Ok(None),
+            [c] if !has_more => {
+                Ok(Some(Charge { id: c.id.clone(), amount_minor: c.amount_minor, currency: c.currency.clone() }))
+            }
+            _ => Err(ProviderError::Unknown {
+                why: "the lookup found more than one charge, or more pages: an operator's case".into(),
+                retry_after: None,
+            }),
+        }
     }
 
     async fn find_refund(&self, reference: &str) -> Result<Option<ProviderRefund>, ProviderError> {
-        let found: Listed<RefundBody> = self.get("/v1/refunds", reference).await?;
-        Ok(found.data.into_iter().next().map(|r| ProviderRefund { id: r.id, amount_minor: r.amount_minor }))
+        let found: Listed<ListedRefund> = self.get("/v1/refunds", reference).await?;
+        let has_more = found.has_more;
+        let mine: Vec<ListedRefund> = found
+            .data
+            .into_iter()
+            .filter(|r| {
+                r.reference.as_deref() == Some(reference) && r.status.as_deref().is_none_or(|s| s == "succeeded")
+            })
+            .collect();
+        match mine.as_slice() {
+            [] if !has_more => Ok(None),
+            [r] if !has_more => Ok(Some(ProviderRefund { id: r.id.clone(), amount_minor: r.amount_minor })),
+            _ => Err(ProviderError::Unknown {
+                why: "the lookup found more than one refund, or more pages: an operator's case".into(),
+                retry_after: None,
+            }),
+        }
     }
 }
 

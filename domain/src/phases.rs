@@ -128,6 +128,16 @@ pub fn downstream_key(scope: &str, key: &str, step: &str) -> String {
     hex::encode(hash.finalize())
 }
 
+/// The key a request's names derive from: its `key`, and for a claim that recorded one its `generation`
+/// (the claim's time in microseconds) — so a key reused after its record expired names new intents and new
+/// downstream calls. Keys are printable ASCII, so the `\0` separator cannot come from a client.
+pub fn generational_key(key: &str, generation: Option<i64>) -> std::borrow::Cow<'_, str> {
+    match generation {
+        Some(g) => std::borrow::Cow::Owned(format!("{key}\0gen:{g}")),
+        None => std::borrow::Cow::Borrowed(key),
+    }
+}
+
 /// The id of an intent a request writes in its first phase (a `pending` payment), derived like
 /// [`downstream_key`] from whose request it is and the intent's `name`: every attempt names the same row,
 /// so a resumed attempt finds what an earlier one wrote. A UUID version 8 (custom) from the SHA-256.

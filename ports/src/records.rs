@@ -221,6 +221,9 @@ pub struct PhaseHold {
     /// After an unknown outcome: the earliest next call (the other side's `Retry-After`, else a backoff), on
     /// the database's clock; no attempt takes the record over before it (as read; writes leave it).
     pub not_before: Option<DateTime<Utc>>,
+    /// Which claim of the key this is (its time in microseconds; `None` before it was recorded): intent ids
+    /// and downstream keys derive from it (`idem_domain::phases::generational_key`). As read.
+    pub generation: Option<i64>,
     /// The last recovery point reached.
     pub recovery_point: String,
     /// The request that started it, kept with the first hold so the completer can drive it to completion

@@ -363,6 +363,21 @@ pub trait IdempotencyRepository: Send {
         Err(StoreError::Other("this store does not hold records between phases".into()))
     }
 
+    /// Keys of `scope`'s held requests (not completed) whose key starts with `key_prefix`, sent to `uri`,
+    /// whose JSON body's top-level `field` is `value`: how a request held under an older key scheme is
+    /// found by what it is about (an order's charge held under `event:<event_id>`).
+    async fn held_with_field(
+        &mut self,
+        scope: &str,
+        key_prefix: &str,
+        uri: &str,
+        field: &str,
+        value: &str,
+    ) -> Result<Vec<String>, StoreError> {
+        let _ = (scope, key_prefix, uri, field, value);
+        Err(StoreError::Other("this store does not hold records between phases".into()))
+    }
+
     /// Holds `held` for the completer, lapsed from the start (in the caller's unit: an event's
     /// transaction); false when the key has a record already.
     async fn enqueue_held(&mut self, held: &HeldRequest) -> Result<bool, StoreError> {

@@ -53,11 +53,13 @@ impl IdempotencyRepository for PgUnitOfWork {
         // once it is claimed put the session's own lock_timeout back (`set_config(…, NULL, true)` is `SET
         // LOCAL … TO DEFAULT`): the handler's statements in this transaction wait on rows as they would anywhere.
         let claimed = sqlx::query_scalar!(
-            r#"INSERT INTO idempotency_record AS r (scope, key, command_hash, state, created_at, expires_at)
-               SELECT $1, $2, $3, 'in_flight', $4, $5
+            r#"INSERT INTO idempotency_record AS r (scope, key, command_hash, state, created_at, expires_at,
+                                                 generation)
+               SELECT $1, $2, $3, 'in_flight', $4, $5, $8
                FROM (SELECT set_config('lock_timeout', $7, true)) AS bounded_wait
                ON CONFLICT (scope, key) DO UPDATE
                    SET command_hash = EXCLUDED.command_hash, state = 'in_flight', status_code = NULL,
+                       generation = EXCLUDED.generation,
                        response_headers = NULL, response_body = NULL,
                        created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at,
                        -- the row as a fresh claim inserts it (as after the cleaner): the expired request's
@@ -74,6 +76,7 @@ impl IdempotencyRepository for PgUnitOfWork {
             c.expires_at,
             now,
             duration_ms(wait),
+            c.created_at.timestamp_micros(),
         )
         .fetch_optional(self.db())
         .await
@@ -365,14 +368,40 @@ impl IdempotencyRepository for PgUnitOfWork {
         Ok(held.map(|_| HeldCall::InProgress))
     }
 
+    async fn held_with_field(
+        &mut self,
+        scope: &str,
+        key_prefix: &str,
+        uri: &str,
+        field: &str,
+        value: &str,
+    ) -> Result<Vec<String>, StoreError> {
+        let pattern = format!("{}%", key_prefix.replace('\\', "\\\\").replace('%', "\\%").replace('_', "\\_"));
+        let keys = sqlx::query_scalar!(
+            r#"SELECT key FROM idempotency_record
+               WHERE scope = $1 AND state = 'in_flight' AND key LIKE $2 AND request_uri = $3
+                 AND convert_from(request_body, 'UTF8')::jsonb ->> $4 = $5"#,
+            scope,
+            pattern,
+            uri,
+            field,
+            value,
+        )
+        .fetch_all(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        Ok(keys)
+    }
+
     async fn enqueue_held(&mut self, held: &HeldRequest) -> Result<bool, StoreError> {
         // attempt 0 with a lease lapsed long before (no client to wait for): the completer takes it over as
         // attempt 1 at its next round
         let inserted = sqlx::query!(
             r#"INSERT INTO idempotency_record (scope, key, command_hash, state, created_at, expires_at, attempt,
                                                lease_until, recovery_point, request_method, request_uri,
-                                               request_content_type, request_body)
-               VALUES ($1, $2, $3, 'in_flight', $4, $5, 0, $4::timestamptz - interval '1 day', 'held', $6, $7, $8, $9)
+                                               request_content_type, request_body, generation)
+               VALUES ($1, $2, $3, 'in_flight', $4, $5, 0, $4::timestamptz - interval '1 day', 'held', $6, $7, $8, $9,
+                       $10)
                ON CONFLICT (scope, key) DO NOTHING"#,
             held.scope,
             held.key,
@@ -383,6 +412,7 @@ impl IdempotencyRepository for PgUnitOfWork {
             held.request.uri,
             held.request.content_type,
             held.request.body,
+            held.created_at.timestamp_micros(),
         )
         .execute(self.db())
         .await
@@ -432,6 +462,7 @@ pub(crate) struct RecordRow {
     attempt: i32,
     lease_until: Option<DateTime<Utc>>,
     not_before: Option<DateTime<Utc>>,
+    generation: Option<i64>,
     recovery_point: Option<String>,
 }
 
@@ -454,7 +485,7 @@ pub(crate) async fn read_with_standby(
 ) -> Result<Option<(RecordRow, bool)>, sqlx::Error> {
     let row = sqlx::query!(
         r#"SELECT scope, key, command_hash, state, status_code, response_headers, response_body,
-                  created_at, expires_at, attempt, lease_until, not_before, recovery_point,
+                  created_at, expires_at, attempt, lease_until, not_before, generation, recovery_point,
                   current_setting('synchronous_standby_names') <> '' AS "synchronous!"
            FROM idempotency_record WHERE scope = $1 AND key = $2"#,
         scope,
@@ -476,6 +507,7 @@ pub(crate) async fn read_with_standby(
             attempt: r.attempt,
             lease_until: r.lease_until,
             not_before: r.not_before,
+            generation: r.generation,
             recovery_point: r.recovery_point,
         };
         (record, r.synchronous)
@@ -517,6 +549,7 @@ impl RecordRow {
                     lease_until,
                     lease: Duration::ZERO,
                     not_before: self.not_before,
+                    generation: self.generation,
                     recovery_point,
                     request: None,
                 }),

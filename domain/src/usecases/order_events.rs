@@ -315,14 +315,24 @@ impl OrderEventHandler {
             )))
         };
         if self.charges_through_provider {
-            // the record first, then the payment: the order the completer's attempt takes them in
-            let key = order_charge_key(order_id);
-            match uow.idempotency().cancel_unstarted(&self.merchant_id, &key, &cancelled_charge()).await? {
-                Some(HeldCall::Cancelled) => {
-                    return Ok(json!({ "cancelled": "the order's charge was never sent", "key": key }));
+            // the record first, then the payment: the order the completer's attempt takes them in; a charge
+            // held under the earlier key scheme (`event:<event_id>`, before a rolling deploy finished) too
+            let mut keys = vec![order_charge_key(order_id)];
+            keys.extend(
+                uow.idempotency()
+                    .held_with_field(&self.merchant_id, "event:", "/payments", "order_id", &order_id.to_string())
+                    .await?,
+            );
+            let mut cancelled = Vec::new();
+            for key in keys {
+                match uow.idempotency().cancel_unstarted(&self.merchant_id, &key, &cancelled_charge()).await? {
+                    Some(HeldCall::Cancelled) => cancelled.push(key),
+                    Some(HeldCall::InProgress) => return Err(waits("its charge is in progress at the provider")),
+                    None => {}
                 }
-                Some(HeldCall::InProgress) => return Err(waits("its charge is in progress at the provider")),
-                None => {}
+            }
+            if !cancelled.is_empty() {
+                return Ok(json!({ "cancelled": "the order's charge was never sent", "keys": cancelled }));
             }
         }
         let Some(payment) = uow.payments().find_by_order_for_update(&self.merchant_id, order_id).await? else {
@@ -337,10 +347,9 @@ impl OrderEventHandler {
         if payment.through_provider || payment.id.get_version_num() == 8 {
             let key = compensation_refund_key(saga_id);
             let uri = format!("/payments/{}/refund", payment.id);
-            let body = serde_json::to_vec(&json!({
-                "amount": format_amount(amount.value(), &payment.currency), "reason": "order cancelled",
-            }))
-            .map_err(|e| HandlerError::Rejected(e.to_string()))?;
+            // no amount: what is left when the refund runs (a merchant's refund may land first)
+            let body = serde_json::to_vec(&json!({ "reason": "order cancelled" }))
+                .map_err(|e| HandlerError::Rejected(e.to_string()))?;
             let held = HeldRequest {
                 scope: self.merchant_id.clone(),
                 key: key.clone(),

@@ -1491,6 +1491,7 @@ fn hold(attempt: u32, lease_until: chrono::DateTime<chrono::Utc>) -> idem_ports:
         lease_until,
         lease,
         not_before: None,
+        generation: None,
         recovery_point: "charge".into(),
         request: None,
     }

@@ -396,11 +396,11 @@ async fn webhooks_converge_with_the_api_whatever_their_order() -> anyhow::Result
     let events = || async { count_rows(&db, "SELECT count(*) FROM provider_event").await };
 
     // badly signed: nothing recorded, nothing changed
-    let reference = idem_domain::phases::intent_id("merchant_a", "webhook-early-1", "payment");
-    let early = charge_event("evt_1", "ch_1", 2500, reference);
-    assert_eq!(webhook(&base, "whsec_wrong", now, &early).await?.0, 401);
-    assert_eq!(webhook(&base, WEBHOOK_SECRET, now - chrono::Duration::minutes(6), &early).await?.0, 401, "stale");
-    let unsigned = reqwest::Client::new().post(format!("{base}/webhooks/payment-provider")).json(&early).send().await?;
+    let unknown_ref = uuid::Uuid::now_v7();
+    let badly = charge_event("evt_1", "ch_1", 2500, unknown_ref);
+    assert_eq!(webhook(&base, "whsec_wrong_0123456789", now, &badly).await?.0, 401);
+    assert_eq!(webhook(&base, WEBHOOK_SECRET, now - chrono::Duration::minutes(6), &badly).await?.0, 401, "stale");
+    let unsigned = reqwest::Client::new().post(format!("{base}/webhooks/payment-provider")).json(&badly).send().await?;
     assert_eq!(unsigned.status().as_u16(), 400);
     assert_eq!(events().await?, 0);
 
@@ -414,6 +414,11 @@ async fn webhooks_converge_with_the_api_whatever_their_order() -> anyhow::Result
     while standin.charges.load(SeqCst) == 0 {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // the provider echoes idem's payment id (the pending payment's) as the charge's reference
+    let reference: uuid::Uuid =
+        sqlx::query_scalar("SELECT id FROM payment WHERE status = 'pending'").fetch_one(db.pool()).await?;
+    assert_eq!(reference.get_version_num(), 8, "an intent id");
+    let early = charge_event("evt_1", "ch_1", 2500, reference);
     assert_eq!(webhook(&base, WEBHOOK_SECRET, now, &early).await?, (200, "captured".into()));
     let answered = api.await??;
     assert_eq!(
@@ -429,8 +434,8 @@ async fn webhooks_converge_with_the_api_whatever_their_order() -> anyhow::Result
     let late_body = card("pm_card_visa", "10.00");
     let late = charge(&base, "webhook-late-1", &late_body).await?;
     assert_eq!(late.status, 201);
-    let late_ref = idem_domain::phases::intent_id("merchant_a", "webhook-late-1", "payment");
-    assert_eq!(late.body["id"], late_ref.to_string(), "the payment id is the derived intent id");
+    let late_ref: uuid::Uuid = late.body["id"].as_str().unwrap_or_default().parse()?;
+    assert_eq!(late_ref.get_version_num(), 8, "the payment id is the derived intent id");
     assert_eq!(
         webhook(&base, WEBHOOK_SECRET, now, &charge_event("evt_2", "ch_2", 1000, late_ref)).await?,
         (200, "already_captured".into())
@@ -602,7 +607,13 @@ async fn an_order_with_a_payment_method_is_charged_once_through_the_completer() 
     assert_eq!(completer.round().await?.completed, 1);
     assert_eq!(completer.round().await?.completed, 0, "nothing left");
     assert_eq!(standin.charges.load(SeqCst), 1);
-    let key = idem_domain::phases::downstream_key("orders", &format!("order:{order}"), "charge");
+    let generation: Option<i64> = sqlx::query_scalar("SELECT generation FROM idempotency_record WHERE key = $1")
+        .bind(format!("order:{order}"))
+        .fetch_one(db.pool())
+        .await?;
+    assert!(generation.is_some(), "the held charge records its generation");
+    let named = idem_domain::phases::generational_key(&format!("order:{order}"), generation).into_owned();
+    let key = idem_domain::phases::downstream_key("orders", &named, "charge");
     assert_eq!(standin.charges_for(&key), 1, "the provider saw the downstream key of the event's charge step");
     let (merchant, status): (String, String) =
         sqlx::query_as("SELECT merchant_id, status FROM payment").fetch_one(db.pool()).await?;
@@ -715,6 +726,36 @@ async fn a_charge_idem_did_not_make_is_never_refunded_at_the_provider() -> anyho
         .await?;
     assert_eq!(refund.status().as_u16(), 201);
     assert_eq!(standin.refunds_made.load(SeqCst), 1);
+    // an instance on the same database without the provider configured never refunds it in idem only
+    let tm: Arc<dyn TransactionManager> = Arc::new(db.store.clone());
+    let bare = ApiState {
+        tm: tm.clone(),
+        payments_of: idem_postgres::payments_of,
+        clock: Arc::new(SystemClock),
+        ids: Arc::new(UuidV7Generator),
+        payments_topic: "payments".into(),
+        provider: None,
+    };
+    let config = IdempotencyConfig::new(TtlPolicy::new(Duration::from_secs(48 * 3600))?, idem_http::merchant_scope());
+    let keys = Arc::new(ApiKeys::parse(&format!("merchant_a:{API_KEY}")).map_err(anyhow::Error::msg)?);
+    let without =
+        idem_tests::serve(idem_http::router(bare, keys, IdempotencyLayer::new(tm, Arc::new(SystemClock), config)))
+            .await?;
+    let charged_again = charge(&base, "own-2", &card("pm_card_visa", "3.00")).await?;
+    let second = charged_again.body["id"].as_str().unwrap_or_default().to_owned();
+    let refused = reqwest::Client::new()
+        .post(format!("{without}/payments/{second}/refund"))
+        .bearer_auth(API_KEY)
+        .header("idempotency-key", "own-refund-2")
+        .json(&json!({}))
+        .send()
+        .await?;
+    assert_eq!(refused.status().as_u16(), 503, "refunded in idem only by an instance without the provider");
+    let refunded: i64 = sqlx::query_scalar("SELECT count(*) FROM refund WHERE payment_id = $1")
+        .bind(uuid::Uuid::parse_str(&second)?)
+        .fetch_one(db.pool())
+        .await?;
+    assert_eq!(refunded, 0);
     let own_charge = charged.body["external_payment_id"].as_str().unwrap_or_default().to_owned();
     assert_eq!(standin.refunded_of(&own_charge), 1000, "{}", charged.body);
     Ok(())
@@ -1093,4 +1134,120 @@ async fn past_the_providers_window_a_retry_looks_the_charge_up_and_never_sends_i
     assert_eq!(standin.charges.load(SeqCst), 1);
     assert_eq!(db.store.health().await?.parked_records, 1);
     assert_money_conserved(&db, &standin).await
+}
+
+/// Issue 45.6: a key reused after its record expired named the earlier request's rows — a charge answered
+/// `201` with the earlier payment and charged nothing; a refund answered `201` with the earlier refund of
+/// another payment and refunded nothing. Names derive from the claim's generation: a reused key makes a
+/// new payment (a new charge at the provider under a new downstream key) and a new refund.
+#[tokio::test]
+async fn a_key_reused_after_its_record_expired_names_new_rows() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let base = instance(&db.store, &provider, Duration::from_secs(2), Duration::from_secs(30)).await?;
+    let expire = |key: &'static str| {
+        let pool = db.pool().clone();
+        async move {
+            sqlx::query("UPDATE idempotency_record SET expires_at = now() - interval '1 minute' WHERE key = $1")
+                .bind(key)
+                .execute(&pool)
+                .await
+        }
+    };
+    let refund = |payment: String, amount: &'static str| {
+        let base = base.clone();
+        async move {
+            let resp = reqwest::Client::new()
+                .post(format!("{base}/payments/{payment}/refund"))
+                .bearer_auth(API_KEY)
+                .header("idempotency-key", "reused-refund-1")
+                .json(&json!({"amount": amount}))
+                .send()
+                .await?;
+            let status = resp.status().as_u16();
+            Ok::<_, anyhow::Error>((status, resp.json::<Value>().await.unwrap_or(Value::Null)))
+        }
+    };
+    let body = card("pm_card_visa", "12.00");
+    let first = charge(&base, "reused-charge-1", &body).await?;
+    assert_eq!(first.status, 201, "{}", first.body);
+    expire("reused-charge-1").await?;
+    let second = charge(&base, "reused-charge-1", &body).await?;
+    assert_eq!(second.status, 201, "{}", second.body);
+    assert_ne!(second.body["id"], first.body["id"], "the earlier payment answered for a new charge");
+    assert_eq!(standin.charges.load(SeqCst), 2, "the reused key's charge made no charge");
+
+    let p1 = first.body["id"].as_str().unwrap_or_default().to_owned();
+    let p2 = second.body["id"].as_str().unwrap_or_default().to_owned();
+    let (status, r1) = refund(p1.clone(), "5.00").await?;
+    assert_eq!(status, 201, "{r1}");
+    expire("reused-refund-1").await?;
+    let (status, r2) = refund(p2.clone(), "7.00").await?;
+    assert_eq!(status, 201, "{r2}");
+    assert_eq!(r2["payment_id"], p2.as_str(), "the earlier refund of another payment answered: {r2}");
+    assert_ne!(r2["id"], r1["id"]);
+    assert_eq!(standin.refunds_made.load(SeqCst), 2, "the reused key's refund refunded nothing");
+    assert_money_conserved(&db, &standin).await
+}
+
+/// Review of issue 45.4: a charge held under the earlier key scheme (`event:<event_id>`, written by an
+/// instance of the previous version during a rolling deploy) was not found by a cancellation, which
+/// finished "skipped", and the completer then charged the cancelled order. It is found by its order id and
+/// cancelled too.
+#[tokio::test]
+async fn a_charge_held_under_the_earlier_key_is_cancelled_too() -> anyhow::Result<()> {
+    use idem_domain::usecases::OrderEventHandler;
+    use idem_http::completer::{Completer, CompleterSettings};
+    use idem_ports::EventHandler;
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let router = reference_router(&db.store, &provider, Duration::from_secs(5), Duration::from_secs(30))?;
+    let order = uuid::Uuid::now_v7();
+    let body = json!({"order_id": order, "customer_id": uuid::Uuid::now_v7(), "amount": "9.00", "currency": "EUR",
+                      "payment_method": "pm_card_visa"})
+    .to_string()
+    .into_bytes();
+    let now = chrono::Utc::now();
+    let mut uow = db.store.begin().await?;
+    let held = idem_ports::HeldRequest {
+        scope: "orders".into(),
+        key: format!("event:{}", uuid::Uuid::now_v7()),
+        command_hash: *idem_domain::Fingerprint::of_request("POST", "/payments", &body).as_bytes(),
+        request: idem_ports::StoredRequest {
+            method: "POST".into(),
+            uri: "/payments".into(),
+            content_type: Some("application/json".into()),
+            body,
+        },
+        created_at: now,
+        expires_at: now + chrono::Duration::hours(48),
+    };
+    assert!(uow.idempotency().enqueue_held(&held).await?);
+    uow.commit().await?;
+    let handler = OrderEventHandler {
+        charges_through_provider: true,
+        clock: Arc::new(SystemClock),
+        ids: Arc::new(UuidV7Generator),
+        payments_topic: "payments".into(),
+        merchant_id: "orders".into(),
+        payments_of: idem_postgres::payments_of,
+    };
+    let cancel = order_event(
+        order,
+        Some(uuid::Uuid::now_v7()),
+        json!({"type": "OrderCancelled", "order_id": order, "version": 2}),
+    );
+    let mut uow = db.store.begin().await?;
+    handler.handle(uow.as_mut(), &cancel).await?;
+    uow.commit().await?;
+    let completer = Completer::new(
+        Arc::new(db.store.clone()),
+        Arc::new(SystemClock),
+        router,
+        idem_http::merchant_principal(),
+        CompleterSettings { grace: Duration::ZERO, ..CompleterSettings::default() },
+    );
+    completer.round().await?;
+    assert_eq!(standin.calls.load(SeqCst), 0, "the cancelled order was charged");
+    Ok(())
 }
