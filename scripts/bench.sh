@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs benchmarks against the local services and prints their figures.
-#   scripts/bench.sh [--commit-bound] http|consumer|relay|cleanup|scale|peers|soak ...
+#   scripts/bench.sh [--commit-bound] http|consumer|relay|cleanup|scale|peers|soak|phases|webhook ...
 # --commit-bound runs them against a private PostgreSQL whose fsync takes FSYNC_DELAY (default 2ms; see
 # scripts/slowdisk/start.sh). BENCH_CLIENTS="8 32 64 128" runs the HTTP benchmark once per concurrency.
 # `scale` runs the HTTP benchmark's charges against idempotency_record prefilled to each of BENCH_SIZES
