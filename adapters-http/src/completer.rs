@@ -44,14 +44,17 @@ pub struct CompleterSettings {
     /// How long after its claim a record may still be re-sent: the other side's idempotency window (24 h at
     /// Stripe) with a margin. Past it the record is parked.
     pub window: Duration,
-    /// Records per round.
+    /// Records per round, taken round-robin over merchants (scopes).
     pub batch: i64,
+    /// Records re-sent at once within a round.
+    pub concurrency: usize,
     /// Longest time one re-sent request may take.
     pub request_timeout: Duration,
 }
 
 impl Default for CompleterSettings {
-    /// Every 10 s; grace 30 s; backoff up to 15 min; window 23 h; 16 records a round; 60 s a request.
+    /// Every 10 s; grace 30 s; backoff up to 15 min; window 23 h; 16 records a round, 4 at once; 60 s a
+    /// request.
     fn default() -> Self {
         Self {
             interval: Duration::from_secs(10),
@@ -59,6 +62,7 @@ impl Default for CompleterSettings {
             max_backoff: Duration::from_secs(15 * 60),
             window: Duration::from_secs(23 * 3600),
             batch: 16,
+            concurrency: 4,
             request_timeout: Duration::from_secs(60),
         }
     }
@@ -186,8 +190,15 @@ impl Completer {
             to_send.push(record);
         }
         uow.commit().await?;
-        for record in to_send {
-            if self.resend(&record).await {
+        use futures::StreamExt as _;
+        let this = self;
+        let done: Vec<bool> = futures::stream::iter(to_send)
+            .map(|record| async move { this.resend(&record).await })
+            .buffer_unordered(s.concurrency.max(1))
+            .collect()
+            .await;
+        for finished in done {
+            if finished {
                 round.completed += 1;
                 self.stats.completed.inc();
             } else {

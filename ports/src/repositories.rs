@@ -336,8 +336,9 @@ pub trait IdempotencyRepository: Send {
     }
 
     /// Records held between phases, not parked, whose lease lapsed at least `grace` × 2^runs (at most
-    /// `max_backoff`) before `now`: their client is taken to have gone away. At most `limit`, oldest first,
-    /// skipping rows another unit has locked.
+    /// `max_backoff`) before `now`: their client is taken to have gone away. At most `limit`, round-robin
+    /// over scopes (each scope's oldest, then each one's second, …: one merchant's backlog never delays
+    /// another's), skipping rows another unit has locked.
     async fn lapsed(
         &mut self,
         now: DateTime<Utc>,

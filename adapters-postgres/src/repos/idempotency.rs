@@ -296,15 +296,20 @@ impl IdempotencyRepository for PgUnitOfWork {
         limit: i64,
     ) -> Result<Vec<LapsedRecord>, StoreError> {
         let rows = sqlx::query!(
-            r#"SELECT scope, key, request_method, request_uri, request_content_type, request_body, created_at,
-                      completer_runs
-               FROM idempotency_record
-               WHERE state = 'in_flight' AND lease_until IS NOT NULL AND parked_at IS NULL
-                 AND lease_until <= $1::timestamptz - make_interval(secs => least($2::float8 * power(2, least(completer_runs, 30)), $3::float8))
-                 AND (not_before IS NULL OR not_before <= clock_timestamp())
-               ORDER BY created_at
+            r#"SELECT r.scope, r.key, r.request_method, r.request_uri, r.request_content_type, r.request_body,
+                      r.created_at, r.completer_runs
+               FROM idempotency_record r
+               JOIN (SELECT scope, key, row_number() OVER (PARTITION BY scope ORDER BY created_at) AS turn
+                     FROM idempotency_record
+                     WHERE state = 'in_flight' AND lease_until IS NOT NULL AND parked_at IS NULL
+                       AND lease_until <= $1::timestamptz - make_interval(secs => least($2::float8 * power(2, least(completer_runs, 30)), $3::float8))
+                       AND (not_before IS NULL OR not_before <= clock_timestamp())) AS due
+                 ON due.scope = r.scope AND due.key = r.key
+               WHERE r.state = 'in_flight' AND r.parked_at IS NULL
+               -- round-robin over scopes: each scope's oldest first, then each one's second, …
+               ORDER BY due.turn, r.created_at
                LIMIT $4
-               FOR UPDATE SKIP LOCKED"#,
+               FOR UPDATE OF r SKIP LOCKED"#,
             now,
             grace.as_secs_f64(),
             max_backoff.as_secs_f64(),

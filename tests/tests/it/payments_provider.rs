@@ -1251,3 +1251,57 @@ async fn a_charge_held_under_the_earlier_key_is_cancelled_too() -> anyhow::Resul
     assert_eq!(standin.calls.load(SeqCst), 0, "the cancelled order was charged");
     Ok(())
 }
+
+/// Issue 45.9: the completer took the oldest held records first, so one merchant's backlog delayed every
+/// other merchant's held request by as many rounds as the backlog had batches. Rounds are round-robin over
+/// merchants: another merchant's one held request is finished in the first round beside 40 of one merchant.
+#[tokio::test]
+async fn the_completer_is_fair_between_merchants() -> anyhow::Result<()> {
+    use idem_http::completer::{Completer, CompleterSettings};
+    let db = TestDb::new().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let router = reference_router(&db.store, &provider, Duration::from_secs(5), Duration::from_secs(30))?;
+    let hold = |scope: &'static str, key: String| {
+        let store = db.store.clone();
+        async move {
+            let body = serde_json::to_vec(&card("pm_card_visa", "1.00"))?;
+            let now = chrono::Utc::now();
+            let mut uow = store.begin().await?;
+            let held = idem_ports::HeldRequest {
+                scope: scope.into(),
+                key,
+                command_hash: *idem_domain::Fingerprint::of_request("POST", "/payments", &body).as_bytes(),
+                request: idem_ports::StoredRequest {
+                    method: "POST".into(),
+                    uri: "/payments".into(),
+                    content_type: Some("application/json".into()),
+                    body,
+                },
+                created_at: now,
+                expires_at: now + chrono::Duration::hours(48),
+            };
+            anyhow::ensure!(uow.idempotency().enqueue_held(&held).await?);
+            uow.commit().await?;
+            Ok::<_, anyhow::Error>(())
+        }
+    };
+    for n in 0..40 {
+        hold("merchant_a", format!("backlog-{n}")).await?;
+    }
+    hold("merchant_b", "the-other-1".into()).await?; // the newest of all
+    let completer = Completer::new(
+        Arc::new(db.store.clone()),
+        Arc::new(SystemClock),
+        router,
+        idem_http::merchant_principal(),
+        CompleterSettings { grace: Duration::ZERO, ..CompleterSettings::default() },
+    );
+    let round = completer.round().await?;
+    assert_eq!(round.completed, 16, "{round:?}");
+    let done: String = sqlx::query_scalar("SELECT state FROM idempotency_record WHERE key = 'the-other-1'")
+        .fetch_one(db.pool())
+        .await?;
+    assert_eq!(done, "completed", "merchant_b waited behind merchant_a's backlog");
+    assert_eq!(standin.charges.load(SeqCst), 16);
+    Ok(())
+}
