@@ -24,3 +24,4 @@ pub mod http_claim;
 pub mod inbox_outbox;
 pub mod key_window;
 pub mod phases;
+pub mod provider_edges;

@@ -151,3 +151,23 @@ fn completion_without_fencing_completes_twice() {
 fn a_takeover_of_a_live_lease_charges_twice() {
     violated(PhaseModel::standard(PhaseVariant::TakeoverWithoutLapse), phases::AT_MOST_ONE_CHARGE);
 }
+
+/// Issue 45: the provider's edges — a host clock ahead, commit latency, a gateway's 504, a provider that
+/// forgets keys after its window, crashes — and idem's rules still charge once with one call in process.
+#[test]
+fn at_the_providers_edges_idem_charges_once_with_one_call_in_process() {
+    use idem_model::provider_edges::{EdgeModel, EdgeVariant};
+    let checker = check(EdgeModel::standard(EdgeVariant::Idem));
+    assert!(checker.is_done(), "the state space was explored completely");
+    checker.assert_properties();
+}
+
+/// Issue 45: each defect the review reproduced, shown violated.
+#[test]
+fn each_edge_defect_charges_twice_or_calls_twice_at_once() {
+    use idem_model::provider_edges::{self as edges, EdgeModel, EdgeVariant};
+    violated(EdgeModel::standard(EdgeVariant::HostClock), edges::ONE_CALL_IN_PROCESS);
+    violated(EdgeModel::standard(EdgeVariant::NoConfirmAfterCommit), edges::ONE_CALL_IN_PROCESS);
+    violated(EdgeModel::standard(EdgeVariant::GatewayIsAnAnswer), edges::ONE_CALL_IN_PROCESS);
+    violated(EdgeModel::standard(EdgeVariant::WindowOnlyInTheCompleter), edges::AT_MOST_ONE_CHARGE);
+}
