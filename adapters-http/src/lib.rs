@@ -15,6 +15,7 @@ pub mod openapi;
 pub mod problem;
 pub mod provider;
 pub mod quota;
+pub mod reconcile;
 pub mod server;
 pub mod trace;
 pub mod webhooks;

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_domain::phases::{CallOutcome, http_outcome};
-use idem_ports::{Charge, ChargeRequest, PaymentProvider, ProviderError, ProviderRefund, RefundRequest};
+use idem_ports::{Charge, ChargeRequest, Listing, Page, PaymentProvider, ProviderError, ProviderRefund, RefundRequest};
 use serde::Deserialize;
 
 /// The provider at `base`, each call bounded by a timeout. `Debug` never shows the API key.
@@ -50,6 +50,18 @@ struct Listed<T> {
     data: Vec<T>,
     #[serde(default)]
     has_more: bool,
+}
+
+#[derive(Deserialize)]
+struct ListedItem {
+    id: String,
+    charge: Option<String>,
+    amount_minor: i64,
+    currency: Option<String>,
+    reference: Option<String>,
+    status: Option<String>,
+    #[serde(default)]
+    created: i64,
 }
 
 #[derive(Deserialize)]
@@ -160,6 +172,35 @@ impl PaymentProvider for HttpPaymentProvider {
                 retry_after: None,
             }),
         }
+    }
+
+    async fn list(&self, what: Listing, created_gte: i64, starting_after: Option<&str>) -> Result<Page, ProviderError> {
+        let path = match what {
+            Listing::Charges => "/v1/charges",
+            Listing::Refunds => "/v1/refunds",
+        };
+        let mut query = vec![("created_gte", created_gte.to_string()), ("limit", "100".to_owned())];
+        if let Some(after) = starting_after {
+            query.push(("starting_after", after.to_owned()));
+        }
+        let request = self.http.get(format!("{}{path}", self.base)).bearer_auth(&self.api_key).query(&query);
+        let page: Listed<ListedItem> = self.answer(request).await?;
+        Ok(Page {
+            has_more: page.has_more,
+            data: page
+                .data
+                .into_iter()
+                .filter(|i| i.status.as_deref().is_none_or(|s| s == "succeeded"))
+                .map(|i| idem_ports::Listed {
+                    id: i.id,
+                    charge: i.charge,
+                    amount_minor: i.amount_minor,
+                    currency: i.currency,
+                    reference: i.reference,
+                    created: i.created,
+                })
+                .collect(),
+        })
     }
 
     async fn find_refund(&self, reference: &str) -> Result<Option<ProviderRefund>, ProviderError> {

@@ -150,21 +150,34 @@ pub async fn payment_provider(State(state): State<WebhookState>, headers: Header
     if event.id.is_empty() || event.id.len() > 255 {
         return malformed("the event id must be 1 to 255 characters".into());
     }
-    match apply(&state, &event).await {
+    match apply(&state.api, &state.provider, &event).await {
         Ok(outcome) => acknowledged(outcome),
         Err(response) => response,
     }
 }
 
+/// Applies what the provider's event `kind` (`charge.succeeded`, `charge.refunded`) with `object` says,
+/// once per `id`, as its webhook would (the reconciler repairs through it): the outcome, or the answer a
+/// webhook would get.
+pub(crate) async fn apply_as_event(
+    api: &ApiState,
+    provider: &str,
+    id: String,
+    kind: &str,
+    object: serde_json::Value,
+) -> Result<&'static str, Response> {
+    let event = Event { id, kind: kind.to_owned(), data: EventData { object } };
+    apply(api, provider, &event).await
+}
+
 /// Applies `event` once: its id recorded in the transaction of its effect.
-async fn apply(state: &WebhookState, event: &Event) -> Result<&'static str, Response> {
-    let api = &state.api;
+async fn apply(api: &ApiState, provider: &str, event: &Event) -> Result<&'static str, Response> {
     let mut uow = api.tm.begin().await.map_err(|e| unavailable(&e))?;
     let payments = (api.payments_of)(uow.as_mut()).map_err(|e| unavailable(&e))?;
     let now = api.clock.now();
     if !payments
         .payments()
-        .record_provider_event(&state.provider, &event.id, &event.kind, now)
+        .record_provider_event(provider, &event.id, &event.kind, now)
         .await
         .map_err(|e| unavailable(&e))?
     {
@@ -205,7 +218,7 @@ async fn apply(state: &WebhookState, event: &Event) -> Result<&'static str, Resp
                 serde_json::from_value(event.data.object.clone()).map_err(|e| malformed(e.to_string()))?;
             let Some(payment) = payments
                 .payments()
-                .get_by_external_for_update(&state.provider, &refund.charge)
+                .get_by_external_for_update(provider, &refund.charge)
                 .await
                 .map_err(|e| unavailable(&e))?
             else {
@@ -220,7 +233,7 @@ async fn apply(state: &WebhookState, event: &Event) -> Result<&'static str, Resp
                 .reference
                 .as_deref()
                 .and_then(|r| Uuid::try_parse(r).ok())
-                .unwrap_or_else(|| idem_domain::phases::intent_id(&state.provider, &refund.id, "refund"));
+                .unwrap_or_else(|| idem_domain::phases::intent_id(provider, &refund.id, "refund"));
             let currency = idem_domain::Currency::parse(&payment.currency).map_err(|e| malformed(e.to_string()))?;
             let amount = idem_domain::usecases::from_minor_units(refund.amount_minor, currency)
                 .map_err(|e| malformed(format!("amount_minor: {e}")))?;

@@ -91,6 +91,10 @@ pub struct ProviderArgs {
     /// window (24 h at Stripe) less a margin. Past it the completer parks the request for an operator.
     #[arg(long, env = "COMPLETER_WINDOW", default_value = "23h", value_parser = parse_duration)]
     pub completer_window: Duration,
+    /// How often the provider's charges and refunds of the last day are reconciled with idem's payments
+    /// (`0s`: never); what is safe is repaired as a webhook would, the rest reported (`idem reconcile`).
+    #[arg(long, env = "RECONCILE_INTERVAL", default_value = "1h", value_parser = parse_duration)]
+    pub reconcile_interval: Duration,
 }
 
 impl ProviderArgs {

@@ -58,6 +58,20 @@ enum Command {
     /// Idempotency keys: what was stored for a key.
     #[command(subcommand)]
     Keys(operate::KeysCommand),
+    /// Compare the payment provider's charges and refunds with idem's payments: repair what is safe (as a
+    /// webhook would), report the rest (exit status 3 when something is left for an operator).
+    Reconcile(Box<ReconcileArgs>),
+}
+
+#[derive(Debug, clap::Args)]
+struct ReconcileArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    #[command(flatten)]
+    provider: config::ProviderArgs,
+    /// How far back to look (what the provider made since then).
+    #[arg(long, default_value = "24h", value_parser = config::parse_duration)]
+    since: std::time::Duration,
 }
 
 #[derive(Debug, clap::Args)]
@@ -94,6 +108,29 @@ async fn connect(db: &DbArgs) -> anyhow::Result<PgStore> {
         }
         None => Ok(store),
     }
+}
+
+/// `idem reconcile`: one run, its report printed; `false` when findings are left for an operator.
+async fn reconcile(args: ReconcileArgs) -> anyhow::Result<bool> {
+    use idem_ports::Clock as _;
+    let store = connect(&args.db).await?;
+    let mut registry = prometheus_client::registry::Registry::default();
+    let Some(provider) = serve::payment_provider(&args.provider, &mut registry)? else {
+        anyhow::bail!("idem reconcile needs PAYMENT_PROVIDER_URL and PAYMENT_PROVIDER_API_KEY");
+    };
+    let tm: std::sync::Arc<dyn idem_ports::TransactionManager> = std::sync::Arc::new(store.clone());
+    let api = idem_http::ApiState {
+        tm,
+        payments_of: idem_postgres::payments_of,
+        clock: std::sync::Arc::new(idem_ports::SystemClock),
+        ids: std::sync::Arc::new(idem_ports::UuidV7Generator),
+        payments_topic: String::new().into(),
+        provider: Some(provider.clone()),
+    };
+    let since = idem_ports::SystemClock.now() - chrono::Duration::from_std(args.since)?;
+    let report = idem_http::reconcile::Reconciler::new(api, provider).run(since).await?;
+    store.close().await;
+    Ok(operate::print_reconciliation(since, &report))
 }
 
 /// Cancels `token` on SIGINT or SIGTERM.
@@ -197,6 +234,11 @@ async fn main() -> ExitCode {
         }
         Command::Outbox(command) => operate::outbox(command).await,
         Command::Keys(command) => operate::keys(command).await,
+        Command::Reconcile(args) => match reconcile(*args).await {
+            Ok(true) => Ok(()),
+            Ok(false) => return ExitCode::from(3),
+            Err(e) => Err(e),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -71,7 +71,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         tracing::info!("exporting traces over OTLP");
     }
 
-    let api = api(&args, &stores.api, &checked, &mut registry)?;
+    let (api, reconciler) = api(&args, &stores.api, &checked, &mut registry)?;
     let completer = completer(&args, &stores.api, &api, &mut registry);
     let runner = order_consumer(&args, &cluster, &stores.background, &checked, &mut registry);
     let cleaner = cleaner(&args, &stores.background, &mut registry);
@@ -97,6 +97,15 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         completer.run_until(token).await;
         Ok(())
     });
+    if let Some(reconciler) = reconciler {
+        let metrics = Arc::new(idem_http::reconcile::ReconcileMetrics::default());
+        metrics.register(&mut registry);
+        let (token, interval) = (shutdown.clone(), args.provider.reconcile_interval);
+        group.spawn("reconciler", async move {
+            reconciler.run_every(interval, chrono::Duration::hours(24), metrics, token).await;
+            Ok(())
+        });
+    }
     let ops = operations(&stores.background, &cluster, registry, cleanup_stats)?;
     listeners.serve(&mut group, &args, api, ops, &shutdown)?;
     let result = group.wait(args.shutdown_timeout).await;
@@ -176,7 +185,12 @@ async fn check_settings(store: &PgStore, args: &ServeArgs) -> anyhow::Result<Che
 }
 
 /// The payment API behind the idempotency layer, its metrics registered.
-fn api(args: &ServeArgs, store: &PgStore, checked: &Checked, registry: &mut Registry) -> anyhow::Result<axum::Router> {
+fn api(
+    args: &ServeArgs,
+    store: &PgStore,
+    checked: &Checked,
+    registry: &mut Registry,
+) -> anyhow::Result<(axum::Router, Option<idem_http::reconcile::Reconciler>)> {
     let http_metrics = HttpMetrics::default();
     http_metrics.register(registry);
     let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
@@ -228,11 +242,17 @@ fn api(args: &ServeArgs, store: &PgStore, checked: &Checked, registry: &mut Regi
         (Some(_), None) => anyhow::bail!("PAYMENT_PROVIDER_WEBHOOK_SECRET needs PAYMENT_PROVIDER_URL"),
         _ => None,
     };
+    let reconciler = state
+        .provider
+        .clone()
+        .filter(|_| !args.provider.reconcile_interval.is_zero())
+        .map(|provider| idem_http::reconcile::Reconciler::new(state.clone(), provider));
     let api = idem_http::router_with_metrics(state, Arc::new(api_keys), layer, http_metrics);
-    Ok(match webhooks {
+    let api = match webhooks {
         Some(webhooks) => api.merge(idem_http::webhooks::router(webhooks)),
         None => api,
-    })
+    };
+    Ok((api, reconciler))
 }
 
 /// The completer of held requests, re-sending through the API's own router (its idempotency layer and
@@ -265,7 +285,7 @@ fn completer(
 }
 
 /// The payment provider of `PAYMENT_PROVIDER_URL`, if one is configured.
-fn payment_provider(
+pub(crate) fn payment_provider(
     args: &crate::config::ProviderArgs,
     registry: &mut Registry,
 ) -> anyhow::Result<Option<Arc<dyn idem_ports::PaymentProvider>>> {

@@ -19,7 +19,9 @@ pub mod trace;
 
 pub use error::{PublishError, StoreError};
 pub use inbound::{BatchError, EventHandler, HandlerError};
-pub use provider::{Charge, ChargeRequest, PaymentProvider, ProviderError, ProviderRefund, RefundRequest};
+pub use provider::{
+    Charge, ChargeRequest, Listed, Listing, Page, PaymentProvider, ProviderError, ProviderRefund, RefundRequest,
+};
 pub use records::{
     ClaimOutcome, HeldCall, HeldRequest, IdempotencyClaim, IdempotencyRecord, IdempotencyState, InboundEvent,
     LapsedRecord, NewOutboxMessage, NewPayment, NewPendingPayment, NewRefund, OrderVersion, OutboxRecord,

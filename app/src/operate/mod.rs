@@ -30,7 +30,8 @@ pub use dlq_cmd::{DlqCommand, dlq};
 pub use keys::{KeysCommand, keys};
 pub use outbox::{OutboxCommand, outbox};
 pub use output::Progress;
-use output::{print_json, print_table, say, short, time, untrusted};
+use output::untrusted;
+use output::{print_json, print_table, say, short, time};
 
 /// A position in the dead-letter topic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,4 +68,31 @@ fn parse_time(s: &str) -> Result<DateTime<Utc>, String> {
     }
     let ago = parse_duration(s).map_err(|_| format!("{s:?} is neither an RFC 3339 time nor a duration"))?;
     Ok(SystemClock.now() - chrono::Duration::from_std(ago).map_err(|e| e.to_string())?)
+}
+
+/// Prints a reconciliation's report; `true` when nothing is left for an operator.
+pub fn print_reconciliation(since: chrono::DateTime<chrono::Utc>, report: &idem_http::reconcile::Report) -> bool {
+    say(&format!(
+        "since {}: {} provider charges, {} refunds, {} payments captured through the provider",
+        since.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        report.charges,
+        report.refunds,
+        report.payments
+    ));
+    let rows: Vec<Vec<String>> = report
+        .findings
+        .iter()
+        .map(|f| {
+            vec![
+                f.kind.as_str().to_owned(),
+                f.payment.map_or_else(|| "-".to_owned(), |p| p.to_string()),
+                untrusted(f.provider_id.as_deref().unwrap_or("-").as_bytes(), false),
+                untrusted(f.detail.as_bytes(), false),
+            ]
+        })
+        .collect();
+    print_table(&["finding", "payment", "provider id", "detail"], &rows);
+    let left = report.findings.iter().filter(|f| !f.kind.repaired()).count();
+    say(&format!("{} repaired, {left} for an operator", report.findings.len() - left));
+    left == 0
 }

@@ -13,7 +13,7 @@ pub use charge::{
 pub use order_events::{OrderEventHandler, REFUND_STEP};
 pub use provider_charge::{
     Capture, PAYMENT_METHOD_MAX_LEN, ProviderChargeCommand, ProviderChargeError, capture_charge, decline_charge,
-    from_minor_units, minor_units, pending_payment,
+    from_minor_units, minor_units, minor_units_of, pending_payment,
 };
 pub use refund::{REFUND_REASON_MAX_CHARS, RefundCommand, RefundError, refund_payment, refund_reason};
 

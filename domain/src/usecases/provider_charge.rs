@@ -101,6 +101,11 @@ pub fn from_minor_units(minor: i64, currency: Currency) -> Result<crate::money::
     crate::money::Amount::try_from(value)
 }
 
+/// A stored amount (`12.3400` EUR) in minor units of its `currency` code (`1234`); `None` for an unknown code.
+pub fn minor_units_of(value: Decimal, currency: &str) -> Option<i64> {
+    Currency::parse(currency).ok().map(|c| in_minor_units(value, c))
+}
+
 fn in_minor_units(value: Decimal, currency: Currency) -> i64 {
     let scaled = value * Decimal::from(10i64.pow(currency.minor_units()));
     i64::try_from(scaled.trunc()).unwrap_or(i64::MAX)

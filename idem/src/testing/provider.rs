@@ -61,9 +61,23 @@ impl StandIn {
     pub fn refund_from_dashboard(&self, charge: &str, amount_minor: i64) -> String {
         let n = self.refunds_made.fetch_add(1, SeqCst) + 1;
         let id = format!("re_{n}");
-        let answer = json!({"id": id, "status": "succeeded", "charge": charge, "amount_minor": amount_minor});
+        let answer = json!({"id": id, "status": "succeeded", "charge": charge, "amount_minor": amount_minor,
+                            "created": chrono::Utc::now().timestamp()});
         if let Ok(mut refunds) = self.refunds.lock() {
             refunds.insert(format!("dashboard-{n}"), (Value::Null, answer));
+        }
+        id
+    }
+
+    /// A charge made at the provider by other means (its dashboard, another integration) with `reference`:
+    /// its id. The reconciler finds it.
+    pub fn charge_elsewhere(&self, reference: &str, amount_minor: i64) -> String {
+        let n = self.charges.fetch_add(1, SeqCst) + 1;
+        let id = format!("ch_{n}");
+        let answer = json!({"id": id, "status": "succeeded", "amount_minor": amount_minor, "currency": "EUR",
+                            "reference": reference, "created": chrono::Utc::now().timestamp()});
+        if let Ok(mut answers) = self.answers.lock() {
+            answers.insert(format!("elsewhere-{n}"), (Value::Null, answer));
         }
         id
     }
@@ -176,6 +190,7 @@ async fn charge(State(p): State<Arc<StandIn>>, headers: HeaderMap, Json(params):
                 let answer = json!({
                     "id": format!("ch_{n}"), "status": "succeeded", "amount_minor": params["amount_minor"],
                     "currency": params["currency"], "reference": params["reference"],
+                    "created": chrono::Utc::now().timestamp(),
                 });
                 answers.insert(key, (params.clone(), answer.clone()));
                 Ok(answer)
@@ -196,7 +211,11 @@ async fn list_charges(
     if let Err(refusal) = p.authenticated(&headers) {
         return refusal;
     }
-    let reference = q.get("reference").cloned().unwrap_or_default();
+    let Some(reference) = q.get("reference").cloned() else {
+        let all: Vec<Value> =
+            p.answers.lock().map(|a| a.values().map(|(_, c)| c.clone()).collect()).unwrap_or_default();
+        return listed(all, &q);
+    };
     let found: Vec<Value> = p
         .answers
         .lock()
@@ -210,6 +229,24 @@ async fn list_charges(
     (StatusCode::OK, HeaderMap::new(), Json(json!({"data": found, "has_more": false})))
 }
 
+/// A listing page: `created_gte`, `starting_after` (an id), `limit` (at most 100), ordered by id number.
+fn listed(mut items: Vec<Value>, q: &HashMap<String, String>) -> Answer {
+    let number = |v: &Value| {
+        v["id"].as_str().and_then(|id| id.split('_').nth(1)).and_then(|n| n.parse::<u64>().ok()).unwrap_or_default()
+    };
+    let since = q.get("created_gte").and_then(|v| v.parse::<i64>().ok()).unwrap_or(0);
+    items.retain(|v| v["status"] == "succeeded" && v["created"].as_i64().unwrap_or(0) >= since);
+    items.sort_by_key(number);
+    if let Some(after) = q.get("starting_after") {
+        let after = number(&json!({"id": after}));
+        items.retain(|v| number(v) > after);
+    }
+    let limit = q.get("limit").and_then(|v| v.parse::<usize>().ok()).unwrap_or(100).clamp(1, 100);
+    let has_more = items.len() > limit;
+    items.truncate(limit);
+    (StatusCode::OK, HeaderMap::new(), Json(json!({"data": items, "has_more": has_more})))
+}
+
 /// `GET /v1/refunds?reference=…`, like [`list_charges`].
 async fn list_refunds(
     State(p): State<Arc<StandIn>>,
@@ -220,7 +257,11 @@ async fn list_refunds(
     if let Err(refusal) = p.authenticated(&headers) {
         return refusal;
     }
-    let reference = q.get("reference").cloned().unwrap_or_default();
+    let Some(reference) = q.get("reference").cloned() else {
+        let all: Vec<Value> =
+            p.refunds.lock().map(|r| r.values().map(|(_, a)| a.clone()).collect()).unwrap_or_default();
+        return listed(all, &q);
+    };
     let found: Vec<Value> = p
         .refunds
         .lock()
@@ -260,6 +301,7 @@ async fn refund(State(p): State<Arc<StandIn>>, headers: HeaderMap, Json(params):
                 let answer = json!({
                     "id": format!("re_{n}"), "status": "succeeded", "charge": charge,
                     "amount_minor": params["amount_minor"], "reference": params["reference"],
+                    "created": chrono::Utc::now().timestamp(),
                 });
                 refunds.insert(key, (params.clone(), answer.clone()));
                 Ok(answer)

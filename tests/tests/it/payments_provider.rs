@@ -1305,3 +1305,85 @@ async fn the_completer_is_fair_between_merchants() -> anyhow::Result<()> {
     assert_eq!(standin.charges.load(SeqCst), 16);
     Ok(())
 }
+
+/// Issue 45.10: a reconciler. Against the stand-in: a charge made elsewhere with a reference idem does not
+/// have, a refund made at the provider's dashboard, a payment whose charge differs in amount, a pending
+/// payment whose charge exists (its answer was lost), and a payment captured in idem that the provider does
+/// not list. The safe ones are repaired as a webhook would (once: a second run repairs nothing again), the
+/// rest reported.
+#[tokio::test]
+async fn the_reconciler_repairs_what_is_safe_and_reports_the_rest() -> anyhow::Result<()> {
+    use idem_http::reconcile::{FindingKind, Reconciler};
+    let db = TestDb::new().await?;
+    let (standin, provider_base) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let base = instance(&db.store, &provider_base, Duration::from_millis(500), Duration::from_secs(30)).await?;
+    let provider: Arc<dyn PaymentProvider> =
+        Arc::new(HttpPaymentProvider::new("standin", &provider_base, PROVIDER_KEY, Duration::from_secs(2))?);
+    let tm: Arc<dyn TransactionManager> = Arc::new(db.store.clone());
+    let api = ApiState {
+        tm,
+        payments_of: idem_postgres::payments_of,
+        clock: Arc::new(SystemClock),
+        ids: Arc::new(UuidV7Generator),
+        payments_topic: "payments".into(),
+        provider: Some(provider.clone()),
+    };
+    let reconciler = Reconciler::new(api, provider);
+    let since = chrono::Utc::now() - chrono::Duration::hours(24);
+
+    let ok = charge(&base, "rec-ok-1", &card("pm_card_visa", "10.00")).await?;
+    assert_eq!(ok.status, 201, "{}", ok.body);
+    let orphan = standin.charge_elsewhere(&uuid::Uuid::now_v7().to_string(), 500);
+    let ok_charge = ok.body["external_payment_id"].as_str().unwrap_or_default().to_owned();
+    let dashboard = standin.refund_from_dashboard(&ok_charge, 300);
+    // a payment captured through the provider whose charge is for another amount
+    let differs = uuid::Uuid::now_v7();
+    let differs_charge = standin.charge_elsewhere(&differs.to_string(), 999);
+    let missing = uuid::Uuid::now_v7();
+    for (id, external) in [(differs, differs_charge.clone()), (missing, "ch_never_made".to_owned())] {
+        sqlx::query(
+            "INSERT INTO payment (id, merchant_id, order_id, customer_id, provider, external_payment_id, amount,
+                                  currency, status, created_at, updated_at, through_provider)
+             VALUES ($1, 'merchant_a', $2, $3, 'standin', $4, 10, 'EUR', 'captured', now(), now(), true)",
+        )
+        .bind(id)
+        .bind(uuid::Uuid::now_v7())
+        .bind(uuid::Uuid::now_v7())
+        .bind(external)
+        .execute(db.pool())
+        .await?;
+    }
+    // a charge whose answer was lost: the payment stays pending, the provider charged
+    standin.delay_ms.store(900, SeqCst);
+    let lost = charge(&base, "rec-lost-1", &card("pm_card_visa", "7.00")).await?;
+    assert_eq!(lost.status, 503, "{}", lost.body);
+    standin.delay_ms.store(0, SeqCst);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+
+    let report = reconciler.run(since).await?;
+    let of = |kind: FindingKind| {
+        report
+            .findings
+            .iter()
+            .filter(|f| f.kind == kind)
+            .map(|f| f.provider_id.clone().unwrap_or_default())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(of(FindingKind::ChargeWithoutPayment), vec![orphan], "{report:#?}");
+    assert_eq!(of(FindingKind::RecordedRefund), vec![dashboard], "{report:#?}");
+    assert_eq!(of(FindingKind::AmountDiffers), vec![differs_charge], "{report:#?}");
+    assert_eq!(of(FindingKind::PaymentWithoutCharge), vec!["ch_never_made".to_owned()], "{report:#?}");
+    assert_eq!(report.count(FindingKind::CapturedPending), 1, "{report:#?}");
+    let statuses: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT status, (refunded_amount * 100)::bigint FROM payment WHERE through_provider ORDER BY amount, status",
+    )
+    .fetch_all(db.pool())
+    .await?;
+    assert!(!statuses.iter().any(|(s, _)| s == "pending"), "the pending payment was captured: {statuses:?}");
+    assert!(statuses.contains(&("partially_refunded".to_owned(), 300)), "the dashboard refund: {statuses:?}");
+    // repairs happen once
+    let again = reconciler.run(since).await?;
+    assert_eq!(again.count(FindingKind::CapturedPending) + again.count(FindingKind::RecordedRefund), 0, "{again:#?}");
+    assert_eq!(again.count(FindingKind::ChargeWithoutPayment), 1);
+    Ok(())
+}
