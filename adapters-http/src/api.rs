@@ -466,6 +466,15 @@ pub async fn refund(
         (state.payments_of)(tx.uow())?.payments().get_for_update(payment_id, Some(merchant.0.to_string())).await?;
     // no amount: what is left to refund when the refund runs (a cancellation's compensation), under the
     // payment's lock — never a figure taken earlier that a refund meanwhile made too large
+    // a retry of a refund without an amount that was made (recorded by its webhook or the reconciler meanwhile)
+    // is answered with it, not with what is left now
+    if given.is_none()
+        && let (Some(p), Some(refund_id)) = (&payment, tx.intent_id("refund"))
+        && let Some(done) = (state.payments_of)(tx.uow())?.payments().get_refund(refund_id).await?
+        && done.payment_id == p.id
+    {
+        return refund_answer(Ok((done, p.clone())));
+    }
     let amount = match (given, &payment) {
         (Some(amount), _) => amount,
         (None, Some(p)) => Amount::try_from(idem_domain::payment::refundable(p)).map_err(|_| {

@@ -187,6 +187,7 @@ impl PaymentProvider for HttpPaymentProvider {
         let page: Listed<ListedItem> = self.answer(request).await?;
         Ok(Page {
             has_more: page.has_more,
+            last_id: page.data.last().map(|i| i.id.clone()),
             data: page
                 .data
                 .into_iter()

@@ -139,7 +139,8 @@ impl Reconciler {
         let mut after: Option<String> = None;
         for _ in 0..MAX_PAGES {
             let page = self.provider.list(what, since.timestamp(), after.as_deref()).await?;
-            after = page.data.last().map(|l| l.id.clone());
+            // the cursor is the page's last item as listed, kept or not (a page of failed charges only)
+            after = page.last_id.clone().or_else(|| page.data.last().map(|l| l.id.clone()));
             all.extend(page.data);
             if !page.has_more || after.is_none() {
                 break;
@@ -151,6 +152,7 @@ impl Reconciler {
     /// One run over what was made since `since`: repairs what is safe, reports the rest.
     pub async fn run(&self, since: DateTime<Utc>) -> Result<Report, ReconcileError> {
         let name = self.provider.name().to_owned();
+        let started = self.api.clock.now();
         let charges = self.list_all(Listing::Charges, since).await?;
         let refunds = self.list_all(Listing::Refunds, since).await?;
         let mut report = Report { charges: charges.len(), refunds: refunds.len(), ..Report::default() };
@@ -183,11 +185,17 @@ impl Reconciler {
                 continue;
             };
             match payment.status {
+                PaymentStatus::Pending if charge.currency.is_none() => report.findings.push(finding(
+                    FindingKind::AmountDiffers,
+                    Some(payment.id),
+                    Some(&charge.id),
+                    "the provider lists this charge without a currency: not captured".into(),
+                )),
                 PaymentStatus::Pending => {
                     // as the provider's `charge.succeeded` webhook would: captured with this charge
                     let object = serde_json::json!({
                         "id": charge.id, "amount_minor": charge.amount_minor,
-                        "currency": charge.currency.clone().unwrap_or_else(|| payment.currency.clone()),
+                        "currency": charge.currency,
                         "reference": payment.id.to_string(),
                     });
                     let outcome = crate::webhooks::apply_as_event(
@@ -198,14 +206,20 @@ impl Reconciler {
                         object,
                     )
                     .await;
-                    let (kind, detail) = match outcome {
-                        Ok("captured" | "already_captured" | "duplicate") => {
-                            (FindingKind::CapturedPending, "captured with the provider's charge".to_owned())
-                        }
-                        Ok(other) => (FindingKind::AmountDiffers, format!("not captured: {other}")),
-                        Err(_) => (FindingKind::ChargeWithoutPayment, "the repair failed; retried next run".into()),
+                    let repaired = match outcome {
+                        Ok("captured") => Some((FindingKind::CapturedPending, "captured with the provider's charge")),
+                        // captured meanwhile by the API or the webhook: nothing to repair
+                        Ok("already_captured") => None,
+                        // refused before ("disagrees", recorded once) or failed: still pending, still a finding
+                        Ok(_) => Some((
+                            FindingKind::AmountDiffers,
+                            "still pending: the provider's charge disagrees with the payment",
+                        )),
+                        Err(_) => Some((FindingKind::ChargeWithoutPayment, "the repair failed; retried next run")),
                     };
-                    report.findings.push(finding(kind, Some(payment.id), Some(&charge.id), detail));
+                    if let Some((kind, detail)) = repaired {
+                        report.findings.push(finding(kind, Some(payment.id), Some(&charge.id), detail.to_owned()));
+                    }
                 }
                 PaymentStatus::Declined => report.findings.push(finding(
                     FindingKind::ChargeWithoutPayment,
@@ -226,7 +240,7 @@ impl Reconciler {
                 }
                 _ => {
                     let captured = idem_domain::usecases::minor_units_of(payment.amount, &payment.currency);
-                    let currency_differs = charge.currency.as_deref().is_some_and(|c| c != payment.currency);
+                    let currency_differs = charge.currency.as_deref() != Some(payment.currency.as_str());
                     if captured != Some(charge.amount_minor) || currency_differs {
                         report.findings.push(finding(
                             FindingKind::AmountDiffers,
@@ -257,8 +271,11 @@ impl Reconciler {
             report.payments += page.len();
             for p in &page {
                 let listed = p.external_payment_id.as_deref().is_some_and(|id| by_id.contains_key(id));
-                // a charge made before `since` is not listed: only payments made well inside the period count
-                if !listed && p.created_at > since + chrono::Duration::minutes(5) {
+                // a charge made before `since` is not listed, nor one made after the listing began: only
+                // payments made well inside the listed period count
+                let inside = p.created_at > since + chrono::Duration::minutes(5)
+                    && p.created_at < started - chrono::Duration::minutes(1);
+                if !listed && inside {
                     report.findings.push(finding(
                         FindingKind::PaymentWithoutCharge,
                         Some(p.id),
@@ -299,6 +316,13 @@ impl Reconciler {
                 object,
             )
             .await;
+            // recorded under the id the webhook path derives (its reference is not one of idem's refunds)
+            let derived = idem_domain::phases::intent_id(&name, &refund.id, "refund");
+            let recorded = async {
+                let mut uow = self.api.tm.begin().await?;
+                let found = (self.api.payments_of)(uow.as_mut())?.payments().get_refund(derived).await?;
+                Ok::<_, StoreError>(found.is_some())
+            };
             match outcome {
                 Ok("refunded") => report.findings.push(finding(
                     FindingKind::RecordedRefund,
@@ -306,7 +330,9 @@ impl Reconciler {
                     Some(&refund.id),
                     format!("{} minor units refunded at the provider, recorded", refund.amount_minor),
                 )),
-                Ok("already_refunded" | "duplicate") => {}
+                Ok("already_refunded") => {}
+                // applied before: recorded then, or refused then (and still an operator's case)
+                Ok("duplicate") if recorded.await? => {}
                 Ok(other) => report.findings.push(finding(
                     FindingKind::UnknownRefund,
                     None,
@@ -366,10 +392,15 @@ impl Reconciler {
         metrics: Arc<ReconcileMetrics>,
         shutdown: tokio_util::sync::CancellationToken,
     ) {
+        let mut first = true;
         loop {
+            // at once at start (an instance restarted more often than the interval still reconciles), then
+            // every interval
+            let wait = if first { std::time::Duration::from_secs(30) } else { interval };
+            first = false;
             tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(interval) => {}
+                _ = tokio::time::sleep(wait) => {}
             }
             let since = self.api.clock.now() - lookback;
             match self.run(since).await {
@@ -381,10 +412,11 @@ impl Reconciler {
                             f.payment.map(|p| p.to_string()).unwrap_or_default(),
                             f.provider_id.as_deref().unwrap_or(""),
                         );
+                        let (id, detail) = (id.escape_debug(), f.detail.escape_debug());
                         if f.kind.repaired() {
-                            tracing::warn!(kind = f.kind.as_str(), %payment, provider_id = %id, detail = %f.detail, "reconciliation repaired");
+                            tracing::warn!(kind = f.kind.as_str(), %payment, provider_id = %id, %detail, "reconciliation repaired");
                         } else {
-                            tracing::error!(kind = f.kind.as_str(), %payment, provider_id = %id, detail = %f.detail, "reconciliation finding: an operator's case");
+                            tracing::error!(kind = f.kind.as_str(), %payment, provider_id = %id, %detail, "reconciliation finding: an operator's case");
                         }
                     }
                 }

@@ -128,7 +128,11 @@ async fn reconcile(args: ReconcileArgs) -> anyhow::Result<bool> {
         provider: Some(provider.clone()),
     };
     let since = idem_ports::SystemClock.now() - chrono::Duration::from_std(args.since)?;
-    let report = idem_http::reconcile::Reconciler::new(api, provider).run(since).await?;
+    // the provider's (or a proxy's) text in an error never drives the operator's terminal
+    let report = idem_http::reconcile::Reconciler::new(api, provider)
+        .run(since)
+        .await
+        .map_err(|e| anyhow::anyhow!("{}", e.to_string().escape_debug()))?;
     store.close().await;
     Ok(operate::print_reconciliation(since, &report))
 }

@@ -73,6 +73,9 @@ pub struct Page {
     pub data: Vec<Listed>,
     /// Whether more follow (ask again `starting_after` the last one).
     pub has_more: bool,
+    /// The id of the page's last item as the provider listed it (items idem does not keep, a failed
+    /// charge, included): where the next page starts.
+    pub last_id: Option<String>,
 }
 
 /// What to list.
