@@ -494,10 +494,8 @@ pub async fn refund(
         saga_id: None,
         traceparent: traceparent(&headers),
     };
-    // only a charge idem made itself is refunded at the provider: `through_provider`, or an id of the
-    // provider flow (a UUID v8 intent id; an instance of the previous version, during a rolling deploy,
-    // writes such payments without the column)
-    if let Some(p) = payment.filter(charged_here) {
+    // only a charge idem made itself is refunded at the provider
+    if let Some(p) = payment.filter(idem_domain::payment::charged_through_provider) {
         return match state.provider.clone().filter(|provider| p.provider == provider.name()) {
             Some(provider) => refund_through_provider(&state, provider, tx, cmd, p).await,
             // never refunded in idem only: the money is at the provider (an instance configured without it)
@@ -508,11 +506,6 @@ pub async fn refund(
         };
     }
     refund_answer(refund_payment((state.payments_of)(tx.uow())?, state.env(), &cmd).await)
-}
-
-/// Whether idem charged `p` itself through the provider: only such payments are refunded there.
-fn charged_here(p: &PaymentRecord) -> bool {
-    p.through_provider || p.id.get_version_num() == 8
 }
 
 /// The answer to a refund (recorded, or through the provider).

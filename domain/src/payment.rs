@@ -45,6 +45,13 @@ pub fn can_transition(from: PaymentStatus, to: PaymentStatus) -> bool {
     )
 }
 
+/// Whether idem charged `payment` itself through its provider, so its refunds go to the provider:
+/// `through_provider`, or an id of the provider flow (a UUID v8 intent id — an instance of the previous
+/// version, during a rolling deploy, writes such payments without the column).
+pub fn charged_through_provider(payment: &PaymentRecord) -> bool {
+    payment.through_provider || payment.id.get_version_num() == 8
+}
+
 /// What is left to refund.
 pub fn refundable(payment: &PaymentRecord) -> Decimal {
     match payment.status {

@@ -344,7 +344,7 @@ impl OrderEventHandler {
         let Ok(amount) = Amount::try_from(refundable(&payment)) else {
             return Ok(json!({ "skipped": "nothing left to refund", "payment_id": payment.id }));
         };
-        if payment.through_provider || payment.id.get_version_num() == 8 {
+        if crate::payment::charged_through_provider(&payment) {
             let key = compensation_refund_key(saga_id);
             let uri = format!("/payments/{}/refund", payment.id);
             // no amount: what is left when the refund runs (a merchant's refund may land first)

@@ -201,32 +201,39 @@ async fn charge(State(p): State<Arc<StandIn>>, headers: HeaderMap, Json(params):
 }
 
 /// `GET /v1/charges?reference=…`: the charges made with that reference (`{"data": […], "has_more":
-/// false}`), as a provider's lookup answers once its idempotency window forgot the key.
+/// false}`), as a provider's lookup answers once its idempotency window forgot the key; without a
+/// reference, a listing page ([`listed`]).
 async fn list_charges(
     State(p): State<Arc<StandIn>>,
     headers: HeaderMap,
     axum::extract::Query(q): axum::extract::Query<HashMap<String, String>>,
 ) -> Answer {
-    p.lookups.fetch_add(1, SeqCst);
-    if let Err(refusal) = p.authenticated(&headers) {
-        return refusal;
+    let items = p.answers.lock().map(|a| a.values().map(|(_, c)| c.clone()).collect()).unwrap_or_default();
+    p.look_up(&headers, items, &q)
+}
+
+/// `GET /v1/refunds?reference=…`, like [`list_charges`].
+async fn list_refunds(
+    State(p): State<Arc<StandIn>>,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<HashMap<String, String>>,
+) -> Answer {
+    let items = p.refunds.lock().map(|r| r.values().map(|(_, a)| a.clone()).collect()).unwrap_or_default();
+    p.look_up(&headers, items, &q)
+}
+
+impl StandIn {
+    /// A lookup (`reference`: its succeeded items) or a listing page of `items`, counted and authenticated.
+    fn look_up(&self, headers: &HeaderMap, items: Vec<Value>, q: &HashMap<String, String>) -> Answer {
+        self.lookups.fetch_add(1, SeqCst);
+        if let Err(refusal) = self.authenticated(headers) {
+            return refusal;
+        }
+        let Some(reference) = q.get("reference") else { return listed(items, q) };
+        let found: Vec<Value> =
+            items.into_iter().filter(|v| v["reference"] == reference.as_str() && v["status"] == "succeeded").collect();
+        (StatusCode::OK, HeaderMap::new(), Json(json!({"data": found, "has_more": false})))
     }
-    let Some(reference) = q.get("reference").cloned() else {
-        let all: Vec<Value> =
-            p.answers.lock().map(|a| a.values().map(|(_, c)| c.clone()).collect()).unwrap_or_default();
-        return listed(all, &q);
-    };
-    let found: Vec<Value> = p
-        .answers
-        .lock()
-        .map(|a| {
-            a.values()
-                .filter(|(_, c)| c["reference"] == reference.as_str() && c["status"] == "succeeded")
-                .map(|(_, c)| c.clone())
-                .collect()
-        })
-        .unwrap_or_default();
-    (StatusCode::OK, HeaderMap::new(), Json(json!({"data": found, "has_more": false})))
 }
 
 /// A listing page: `created_gte`, `starting_after` (an id), `limit` (at most 100), ordered by id number.
@@ -245,29 +252,6 @@ fn listed(mut items: Vec<Value>, q: &HashMap<String, String>) -> Answer {
     let has_more = items.len() > limit;
     items.truncate(limit);
     (StatusCode::OK, HeaderMap::new(), Json(json!({"data": items, "has_more": has_more})))
-}
-
-/// `GET /v1/refunds?reference=…`, like [`list_charges`].
-async fn list_refunds(
-    State(p): State<Arc<StandIn>>,
-    headers: HeaderMap,
-    axum::extract::Query(q): axum::extract::Query<HashMap<String, String>>,
-) -> Answer {
-    p.lookups.fetch_add(1, SeqCst);
-    if let Err(refusal) = p.authenticated(&headers) {
-        return refusal;
-    }
-    let Some(reference) = q.get("reference").cloned() else {
-        let all: Vec<Value> =
-            p.refunds.lock().map(|r| r.values().map(|(_, a)| a.clone()).collect()).unwrap_or_default();
-        return listed(all, &q);
-    };
-    let found: Vec<Value> = p
-        .refunds
-        .lock()
-        .map(|r| r.values().filter(|(_, a)| a["reference"] == reference.as_str()).map(|(_, a)| a.clone()).collect())
-        .unwrap_or_default();
-    (StatusCode::OK, HeaderMap::new(), Json(json!({"data": found, "has_more": false})))
 }
 
 /// `POST /v1/refunds`: a refund of a charge made here, at most what is left of it; a repeated key with the

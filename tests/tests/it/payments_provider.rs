@@ -39,6 +39,22 @@ fn reference_router(
     reference_router_on(store, provider_base, call_timeout, lease, Arc::new(SystemClock), None)
 }
 
+/// The payments API's state on `store`, on a host whose clock is `clock`, charging through `provider`.
+fn api_state(
+    store: &PgStore,
+    clock: Arc<dyn idem_ports::Clock>,
+    provider: Option<Arc<dyn PaymentProvider>>,
+) -> ApiState {
+    ApiState {
+        tm: Arc::new(store.clone()),
+        payments_of: idem_postgres::payments_of,
+        clock,
+        ids: Arc::new(UuidV7Generator),
+        payments_topic: "payments".into(),
+        provider,
+    }
+}
+
 /// [`reference_router`] on a host whose clock is `clock`.
 fn reference_router_on(
     store: &PgStore,
@@ -51,14 +67,7 @@ fn reference_router_on(
     let provider: Arc<dyn PaymentProvider> =
         Arc::new(HttpPaymentProvider::new("standin", provider_base, PROVIDER_KEY, call_timeout)?);
     let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
-    let state = ApiState {
-        tm: tm.clone(),
-        payments_of: idem_postgres::payments_of,
-        clock: clock.clone(),
-        ids: Arc::new(UuidV7Generator),
-        payments_topic: "payments".into(),
-        provider: Some(provider),
-    };
+    let state = api_state(store, clock.clone(), Some(provider));
     let mut config =
         IdempotencyConfig::new(TtlPolicy::new(Duration::from_secs(48 * 3600))?, idem_http::merchant_scope());
     config.lease = lease;
@@ -728,14 +737,7 @@ async fn a_charge_idem_did_not_make_is_never_refunded_at_the_provider() -> anyho
     assert_eq!(standin.refunds_made.load(SeqCst), 1);
     // an instance on the same database without the provider configured never refunds it in idem only
     let tm: Arc<dyn TransactionManager> = Arc::new(db.store.clone());
-    let bare = ApiState {
-        tm: tm.clone(),
-        payments_of: idem_postgres::payments_of,
-        clock: Arc::new(SystemClock),
-        ids: Arc::new(UuidV7Generator),
-        payments_topic: "payments".into(),
-        provider: None,
-    };
+    let bare = api_state(&db.store, Arc::new(SystemClock), None);
     let config = IdempotencyConfig::new(TtlPolicy::new(Duration::from_secs(48 * 3600))?, idem_http::merchant_scope());
     let keys = Arc::new(ApiKeys::parse(&format!("merchant_a:{API_KEY}")).map_err(anyhow::Error::msg)?);
     let without =
@@ -908,14 +910,7 @@ async fn a_call_starts_only_with_its_bound_left_of_the_lease() -> anyhow::Result
         let provider: Arc<dyn PaymentProvider> =
             Arc::new(HttpPaymentProvider::new("standin", &provider, PROVIDER_KEY, Duration::from_secs(1))?);
         let tm: Arc<dyn TransactionManager> = Arc::new(db.store.clone());
-        let state = ApiState {
-            tm: tm.clone(),
-            payments_of: idem_postgres::payments_of,
-            clock: Arc::new(SystemClock),
-            ids: Arc::new(UuidV7Generator),
-            payments_topic: "payments".into(),
-            provider: Some(provider),
-        };
+        let state = api_state(&db.store, Arc::new(SystemClock), Some(provider));
         let mut config =
             IdempotencyConfig::new(TtlPolicy::new(Duration::from_secs(48 * 3600))?, idem_http::merchant_scope());
         config.lease = Duration::from_secs(2);
@@ -1319,15 +1314,7 @@ async fn the_reconciler_repairs_what_is_safe_and_reports_the_rest() -> anyhow::R
     let base = instance(&db.store, &provider_base, Duration::from_millis(500), Duration::from_secs(30)).await?;
     let provider: Arc<dyn PaymentProvider> =
         Arc::new(HttpPaymentProvider::new("standin", &provider_base, PROVIDER_KEY, Duration::from_secs(2))?);
-    let tm: Arc<dyn TransactionManager> = Arc::new(db.store.clone());
-    let api = ApiState {
-        tm,
-        payments_of: idem_postgres::payments_of,
-        clock: Arc::new(SystemClock),
-        ids: Arc::new(UuidV7Generator),
-        payments_topic: "payments".into(),
-        provider: Some(provider.clone()),
-    };
+    let api = api_state(&db.store, Arc::new(SystemClock), Some(provider.clone()));
     let reconciler = Reconciler::new(api, provider);
     let since = chrono::Utc::now() - chrono::Duration::hours(24);
 
