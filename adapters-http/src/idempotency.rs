@@ -552,7 +552,7 @@ impl Tx {
         let mut uow = self.0.take().ok_or_else(|| internal("Tx::foreign_call twice without Tx::resume"))?;
         if !ctx.claimed.load(std::sync::atomic::Ordering::Relaxed) {
             // record at commit: the first phase commits the claim with the intent, so it claims here
-            match uow.idempotency().claim(&ctx.claim, ctx.clock.now(), ctx.claim_wait()).await {
+            match uow.idempotency().claim(&ctx.claim, ctx.clock.now(), ctx.unclaimed_key_wait()).await {
                 Ok(ClaimOutcome::Claimed) => ctx.claimed.store(true, std::sync::atomic::Ordering::Relaxed),
                 Ok(ClaimOutcome::Existing(_)) | Err(StoreError::LockTimeout) => {
                     // the key was taken meanwhile: these writes roll back, the layer decides again
@@ -730,6 +730,15 @@ impl PhaseContext {
     /// What is left of the request's wait budget for a lock wait on the key.
     fn claim_wait(&self) -> Duration {
         wait_left(self.deadline)
+    }
+
+    /// The wait for the key of a request recorded at commit, whose handler may hold row locks by then:
+    /// short, so the two claim paths wait for locks in one order. A claim-first request takes the key,
+    /// then its rows; this one took rows first, so it does not wait on the key for long (a claim-first
+    /// request holding the key may be waiting for these rows: a deadlock, 1 s until PostgreSQL breaks
+    /// it) but rolls back and is decided again claim first, key first.
+    fn unclaimed_key_wait(&self) -> Duration {
+        self.claim_wait().min(UNCLAIMED_KEY_WAIT)
     }
 
     /// The request as the completer re-sends it.
@@ -1063,7 +1072,7 @@ where
     // foreign call claims in its first phase (`Tx::foreign_call`). Model: `model/src/http_claim.rs`.
     let mut token_taken = false;
     if config.record_at_commit && !waited && !expired {
-        // the send is taken to be new: it takes a token now (one that turns out known keeps it spent)
+        // the send is taken to be new: it takes a token now (one that turns out known gives it back)
         let token = config.new_keys.as_ref().map(|q| q.take(&claim.scope).is_ok());
         token_taken = token == Some(true);
         if token != Some(false) {
@@ -1083,7 +1092,14 @@ where
             };
             match execute(&shared, inner.clone(), parts.clone(), body.clone(), uow, Some(run)).await {
                 Executed::Answer(response) => return response,
-                Executed::KeyTaken => tracing::debug!(key = %claim.key, "key taken meanwhile: decided again"),
+                Executed::KeyTaken => {
+                    tracing::debug!(key = %claim.key, "key taken meanwhile: decided again");
+                    // a known key is free: its token goes back (a claim below that finds it new takes one)
+                    if let (true, Some(quota)) = (token_taken, config.new_keys.as_ref()) {
+                        quota.give_back(&claim.scope);
+                        token_taken = false;
+                    }
+                }
             }
         }
     }
@@ -1218,6 +1234,9 @@ where
         Err(e) => store_failure(&e),
     }
 }
+
+/// See [`PhaseContext::unclaimed_key_wait`]: well below PostgreSQL's `deadlock_timeout` (1 s).
+const UNCLAIMED_KEY_WAIT: Duration = Duration::from_millis(100);
 
 /// What is left of a request's wait budget ending at `deadline`, for a lock wait on its key: at least
 /// 100 ms, so a claim made late still waits for a concurrent transaction to end.
@@ -1364,13 +1383,14 @@ where
         };
         if unclaimed.is_some() {
             let now = shared.clock.now();
-            match uow.idempotency().insert_completed(&p.claim, &stored, now, p.claim_wait()).await {
+            match uow.idempotency().insert_completed(&p.claim, &stored, now, p.unclaimed_key_wait()).await {
                 Ok(ClaimOutcome::Claimed) => shared.replays.record(false),
-                Ok(ClaimOutcome::Existing(_)) => {
-                    drop(uow); // the writes were made for a key another request took: rolled back
+                // the writes were made for a key another request took (or holds, uncommitted): rolled back,
+                // so that request's wait on these rows ends, and decided again claim first
+                Ok(ClaimOutcome::Existing(_)) | Err(StoreError::LockTimeout) => {
+                    drop(uow);
                     return Executed::KeyTaken;
                 }
-                Err(StoreError::LockTimeout) => return Executed::Answer(in_flight()),
                 Err(e) => return Executed::Answer(store_failure(&e)),
             }
         } else if let Err(e) = uow.idempotency().complete(&p.claim.scope, &p.claim.key, &stored).await {

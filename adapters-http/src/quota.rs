@@ -6,7 +6,8 @@
 //! the per-merchant concurrency limit bounds parallelism, not volume. A token bucket per scope bounds it:
 //! a request whose key is new and finds the bucket empty is refused `429` with `Retry-After`, before
 //! anything runs or is stored; retries of known keys (replays, conflicts, in-flight answers) take no token.
-//! Buckets are [governor]'s keyed GCRA limiter.
+//! Buckets are [governor]'s keyed GCRA limiter. A request recorded at commit takes its token before it
+//! knows whether its key is new; one that turns out known gives it back ([`NewKeyQuota::give_back`]).
 
 use std::num::NonZeroU32;
 use std::time::Duration;
@@ -20,6 +21,9 @@ const SCOPES_KEPT: usize = 10_000;
 /// New keys per second per scope, with a burst (see the module docs).
 pub struct NewKeyQuota {
     limiter: DefaultKeyedRateLimiter<String>,
+    /// Tokens given back per scope, taken before the bucket's (never more than were taken).
+    returned: std::sync::Mutex<std::collections::HashMap<String, u32>>,
+    any_returned: std::sync::atomic::AtomicBool,
     per_second: NonZeroU32,
     burst: NonZeroU32,
 }
@@ -34,17 +38,39 @@ impl NewKeyQuota {
     /// `per_second` new keys per scope on average, up to `burst` at once.
     pub fn new(per_second: NonZeroU32, burst: NonZeroU32) -> Self {
         let limiter = RateLimiter::keyed(Quota::per_second(per_second).allow_burst(burst.max(per_second)));
-        Self { limiter, per_second, burst }
+        Self { limiter, returned: Default::default(), any_returned: Default::default(), per_second, burst }
     }
 
     /// Takes one new key for `scope`; `Err` with how long until one is available.
     pub fn take(&self, scope: &str) -> Result<(), Duration> {
+        if self.any_returned.load(std::sync::atomic::Ordering::Relaxed) {
+            let mut returned = self.returned.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            if let Some(n) = returned.get_mut(scope) {
+                *n -= 1;
+                if *n == 0 {
+                    returned.remove(scope);
+                }
+                self.any_returned.store(!returned.is_empty(), std::sync::atomic::Ordering::Relaxed);
+                return Ok(());
+            }
+        }
         if self.limiter.len() > SCOPES_KEPT {
             self.limiter.retain_recent();
         }
         self.limiter
             .check_key(&scope.to_owned())
             .map_err(|not_until| not_until.wait_time_from(DefaultClock::default().now()))
+    }
+
+    /// Gives back a token [`take`](Self::take) gave for `scope` to a key that turned out known: the next
+    /// new key of the scope takes it first.
+    pub fn give_back(&self, scope: &str) {
+        let mut returned = self.returned.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if returned.len() >= SCOPES_KEPT {
+            returned.clear(); // bounded: a token forgotten only makes the quota stricter
+        }
+        *returned.entry(scope.to_owned()).or_default() += 1;
+        self.any_returned.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -60,5 +86,8 @@ mod tests {
         let wait = quota.take("a").expect_err("the bucket is empty");
         assert!(wait > Duration::ZERO && wait <= Duration::from_millis(500), "{wait:?}");
         assert!(quota.take("b").is_ok(), "another scope is not limited by a's keys");
+        quota.give_back("a");
+        assert!(quota.take("a").is_ok(), "a token given back is taken again");
+        assert!(quota.take("a").is_err(), "once");
     }
 }

@@ -6,7 +6,10 @@
 //!   wait for a synchronous standby), while its lease was already counting;
 //! - **a gateway** in front of the provider that answers `504` while the call still runs behind it;
 //! - **a provider that forgets keys** after its idempotency window and answers lookups by reference;
-//! - crashes, and calls bounded in time (`CALL_BOUND` ticks, shorter than the lease).
+//! - crashes, and calls bounded in time (`CALL_BOUND` ticks, shorter than the lease);
+//! - with [`EdgeModel::cancelling`], an order whose charge the consumer enqueued (attempt 0, as
+//!   `enqueue_held` leaves it) and whose `OrderCancelled` the compensation handles at any moment — before,
+//!   between and after the charge's phases — under the record's lock (`cancel_unstarted`).
 //!
 //! The rules come from the domain: [`phases::http_outcome`] classifies the gateway's answer, and
 //! [`phases::may_complete`] fences late attempts. The rest mirrors the layer: takeover only when the lease
@@ -21,9 +24,10 @@
 //! | [`EdgeAction::Gateway`] | a `504` from a load balancer: `http_outcome(Some(504), false)` |
 //! | [`EdgeAction::Process`] | the provider processing a call (a known key within its window: the first charge) |
 //! | [`EdgeAction::Tick`] | time; the renewal task of an attempt whose call runs |
+//! | [`EdgeAction::Cancel`] | `OrderEventHandler::compensate`: `cancel_unstarted`, else a wait, else the refund |
 //!
-//! Checked: [`AT_MOST_ONE_CHARGE`] and [`ONE_CALL_IN_PROCESS`]. Each broken variant (one defect the review
-//! reproduced) violates one of them.
+//! Checked: [`AT_MOST_ONE_CHARGE`], [`ONE_CALL_IN_PROCESS`] and [`CANCELLED_MEANS_UNCHARGED`]. Each broken
+//! variant (one defect the review reproduced) violates one of them.
 
 use idem_domain::phases::{self, CallOutcome};
 use stateright::{Model, Property};
@@ -41,6 +45,10 @@ pub enum EdgeVariant {
     GatewayIsAnAnswer,
     /// The window checked only by the completer: a retry past it sends the call again.
     WindowOnlyInTheCompleter,
+    /// A cancellation that finds the order's charge not final finishes as "skipped" (the review's case).
+    CancelSkipsAHeldCharge,
+    /// A cancellation cancels a held charge whatever its attempt, though a call may be out.
+    CancelAStartedCharge,
 }
 
 /// Lease length, in ticks.
@@ -65,6 +73,8 @@ pub struct EdgeModel {
     pub crashes: u8,
     /// Most attempts on the record.
     pub attempts: u8,
+    /// An order's charge, enqueued, and its cancellation (see [`EdgeModel::cancelling`]).
+    pub cancellation: bool,
 }
 
 /// A worker.
@@ -102,6 +112,10 @@ pub enum Worker {
 pub enum Record {
     /// Not claimed.
     Absent,
+    /// Enqueued by the order consumer (attempt 0): no call was ever sent.
+    Enqueued,
+    /// Completed by a cancellation before any call: it is never sent.
+    Cancelled,
     /// Between the phases.
     Held {
         /// The attempt holding it.
@@ -147,6 +161,10 @@ pub struct EdgeState {
     pub charges: u8,
     /// Crashes left.
     pub crashes: u8,
+    /// The order's cancellation has been handled (compensated, or found nothing to compensate).
+    pub cancelled: bool,
+    /// Refunds the provider made (a compensation's refund, itself in phases: modelled as one step).
+    pub refunds: u8,
 }
 
 /// The steps.
@@ -166,12 +184,39 @@ pub enum EdgeAction {
     Crash(usize),
     /// One tick of the database's clock.
     Tick,
+    /// The order's cancellation is handled (enabled while it would not wait: a waiting event is retried).
+    Cancel,
 }
 
 impl EdgeModel {
     /// A host 4 ticks ahead (more than a lease), two crashes, four attempts.
     pub fn standard(variant: EdgeVariant) -> Self {
-        Self { variant, skew: 4, crashes: 1, attempts: 4 }
+        Self { variant, skew: 4, crashes: 1, attempts: 4, cancellation: false }
+    }
+
+    /// An order's charge enqueued by the consumer and cancelled at any moment, with a host clock 4 ticks
+    /// ahead, a crash and three attempts.
+    pub fn cancelling(variant: EdgeVariant) -> Self {
+        Self { variant, skew: 4, crashes: 1, attempts: 3, cancellation: true }
+    }
+
+    /// What the compensation does with the record as it finds it: `None` while it waits (the event fails
+    /// transiently and is retried), else the record after it and the refunds the provider makes.
+    fn cancel(&self, s: &EdgeState) -> Option<(Record, u8)> {
+        match (&s.record, self.variant) {
+            // the review's defect: anything not captured is "skipped"
+            (Record::Enqueued | Record::Held { .. }, EdgeVariant::CancelSkipsAHeldCharge) => {
+                Some((s.record.clone(), s.refunds))
+            }
+            // attempt 0: never taken over, so never sent — cancelled under the record's lock
+            (Record::Enqueued, _) => Some((Record::Cancelled, s.refunds)),
+            (Record::Held { .. }, EdgeVariant::CancelAStartedCharge) => Some((Record::Cancelled, s.refunds)),
+            // an attempt took it: its call may be out; the event waits until the charge is final
+            (Record::Held { .. }, _) => None,
+            // captured: refunded through the provider
+            (Record::Completed, _) => Some((Record::Completed, s.charges.max(s.refunds))),
+            (Record::Absent | Record::Cancelled, _) => Some((s.record.clone(), s.refunds)),
+        }
     }
 
     /// What worker `w` takes to be now.
@@ -192,6 +237,11 @@ impl EdgeModel {
             Record::Absent => Some((
                 Record::Held { attempt: 1, lease_until: s.now + LEASE, locked: true, parked: false },
                 Worker::Committing { attempt: 1, past_window: false },
+            )),
+            // the completer takes an enqueued charge over at once (attempt 0 holds no lease)
+            Record::Enqueued => Some((
+                Record::Held { attempt: 1, lease_until: s.now + LEASE, locked: true, parked: false },
+                Worker::Committing { attempt: 1, past_window: s.now >= LAYER_WINDOW },
             )),
             Record::Held { attempt, lease_until, locked: false, parked: false } if *attempt < self.attempts => {
                 // the takeover's condition, on the database's clock (or, broken, the host's)
@@ -227,12 +277,14 @@ impl Model for EdgeModel {
     fn init_states(&self) -> Vec<EdgeState> {
         vec![EdgeState {
             now: 0,
-            record: Record::Absent,
+            record: if self.cancellation { Record::Enqueued } else { Record::Absent },
             workers: [Worker::Idle, Worker::Idle],
             pending: Vec::new(),
             first_seen: None,
             charges: 0,
             crashes: self.crashes,
+            cancelled: false,
+            refunds: 0,
         }]
     }
 
@@ -250,6 +302,9 @@ impl Model for EdgeModel {
             }
         }
         actions.extend((0..s.pending.len()).map(EdgeAction::Process));
+        if self.cancellation && !s.cancelled && self.cancel(s).is_some() {
+            actions.push(EdgeAction::Cancel);
+        }
         // calls are bounded: time does not pass a call's bound while it is in process
         if s.now < MAX_T && s.pending.iter().all(|p| s.now < p.since + CALL_BOUND) {
             actions.push(EdgeAction::Tick);
@@ -344,6 +399,12 @@ impl Model for EdgeModel {
                     }
                 }
             }
+            EdgeAction::Cancel => {
+                let (record, refunds) = self.cancel(&s)?;
+                s.record = record;
+                s.refunds = refunds;
+                s.cancelled = true;
+            }
             EdgeAction::Tick => {
                 s.now += 1;
                 // the renewal task of an attempt whose call runs (every third of the lease: each tick)
@@ -366,20 +427,32 @@ impl Model for EdgeModel {
     }
 
     fn properties(&self) -> Vec<Property<Self>> {
-        vec![
+        let mut properties = vec![
             Property::always(AT_MOST_ONE_CHARGE, |_, s: &EdgeState| s.charges <= 1),
             Property::always(ONE_CALL_IN_PROCESS, |_, s: &EdgeState| s.pending.len() <= 1),
+            Property::always(CANCELLED_MEANS_UNCHARGED, |_, s: &EdgeState| !s.cancelled || s.charges <= s.refunds),
             Property::sometimes("a charge is found by its lookup past the window", |_, s: &EdgeState| {
                 s.record == Record::Completed && s.now >= LAYER_WINDOW && s.charges == 1
             }),
             Property::sometimes("a request is parked past the window", |_, s: &EdgeState| {
                 matches!(s.record, Record::Held { parked: true, .. })
             }),
-        ]
+        ];
+        if self.cancellation {
+            properties.push(Property::sometimes("a charge is cancelled before its call", |_, s: &EdgeState| {
+                s.cancelled && s.record == Record::Cancelled
+            }));
+            properties.push(Property::sometimes("a charge is refunded after a cancellation", |_, s: &EdgeState| {
+                s.cancelled && s.refunds == 1
+            }));
+        }
+        properties
     }
 }
 
 /// The provider charges at most once for the client key.
 pub const AT_MOST_ONE_CHARGE: &str = "at most one provider charge per client key";
+/// Once an order's cancellation is handled, every charge of it is refunded: none is made afterwards.
+pub const CANCELLED_MEANS_UNCHARGED: &str = "a cancelled order ends with no charge or its charge refunded";
 /// Never two calls with one key in process at the provider at once.
 pub const ONE_CALL_IN_PROCESS: &str = "no two calls with one key in process at once";

@@ -171,3 +171,22 @@ fn each_edge_defect_charges_twice_or_calls_twice_at_once() {
     violated(EdgeModel::standard(EdgeVariant::GatewayIsAnAnswer), edges::ONE_CALL_IN_PROCESS);
     violated(EdgeModel::standard(EdgeVariant::WindowOnlyInTheCompleter), edges::AT_MOST_ONE_CHARGE);
 }
+
+/// Issue 45.4: an order's charge cancelled before, between or after its phases, with the provider's edges:
+/// it ends with no charge or its charge refunded, and still one charge with one call in process.
+#[test]
+fn a_cancelled_orders_charge_is_never_made_or_is_refunded() {
+    use idem_model::provider_edges::{EdgeModel, EdgeVariant};
+    let checker = check(EdgeModel::cancelling(EdgeVariant::Idem));
+    assert!(checker.is_done(), "the state space was explored completely");
+    checker.assert_properties();
+}
+
+/// Issue 45.4: a cancellation that skips a charge not yet final, or cancels one whose call may be out,
+/// leaves a charge that is never refunded.
+#[test]
+fn a_cancellation_that_skips_or_cuts_a_started_charge_keeps_the_money() {
+    use idem_model::provider_edges::{self as edges, EdgeModel, EdgeVariant};
+    violated(EdgeModel::cancelling(EdgeVariant::CancelSkipsAHeldCharge), edges::CANCELLED_MEANS_UNCHARGED);
+    violated(EdgeModel::cancelling(EdgeVariant::CancelAStartedCharge), edges::CANCELLED_MEANS_UNCHARGED);
+}

@@ -1694,3 +1694,103 @@ async fn duplicates_on_two_instances_recorded_at_commit_commit_one_effect() -> a
     }
     Ok(())
 }
+
+/// Issue 45.8: on the record-at-commit path a retry of a known key took a new-key token before it knew
+/// the key (it runs the handler first) and kept it, so at a quota of 1/s a client's retries refused its
+/// next new key `429` — while the README says retries are free. The token now goes back.
+#[tokio::test]
+async fn retries_of_a_known_key_recorded_at_commit_take_no_new_key_token() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let tm: Arc<dyn TransactionManager> = Arc::new(db.store.clone());
+    let mut config = layer_config(StatusCode::CONFLICT);
+    assert!(config.record_at_commit, "the default path");
+    let one = std::num::NonZeroU32::MIN;
+    config.new_keys = Some(Arc::new(idem_http::quota::NewKeyQuota::new(one, one)));
+    let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), config);
+    let router = as_merchant_a(
+        axum::Router::new()
+            .route("/op", axum::routing::post(|_tx: Tx| async { (StatusCode::CREATED, "done") }))
+            .route_layer(layer),
+    );
+    let base = idem_tests::serve(router).await?;
+    let http = reqwest::Client::new();
+    let send = |key: &str| http.post(format!("{base}/op")).header("idempotency-key", key).body("{}").send();
+    assert_eq!(send("known-1").await?.status(), 201);
+    // the bucket refills (1/s); a retry of the known key must leave that token for the next new key
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let retry = send("known-1").await?;
+    assert_eq!(retry.status(), 201);
+    assert_eq!(retry.headers().get("idempotent-replayed").and_then(|v| v.to_str().ok()), Some("true"));
+    let next = send("new-2").await?;
+    assert_eq!(next.status(), 201, "the retry of a known key spent the new key's token");
+    assert_eq!(send("new-3").await?.status(), 429, "and the quota still holds");
+    Ok(())
+}
+
+/// Issue 45.8: the record-at-commit path took the handler's rows first and the key last, the claim-first
+/// path the key first: a request recorded at commit on one instance and a claim-first duplicate on
+/// another (here: an instance configured to claim first) deadlocked until PostgreSQL broke it a second
+/// later, answering one of them `500`/`503`. The record-at-commit insert now waits on the key only briefly,
+/// rolls back and is decided again claim first: both answered with the one execution, no deadlock.
+#[tokio::test]
+async fn the_two_claim_paths_wait_for_locks_in_one_order() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    sqlx::query("CREATE TABLE effect (note text PRIMARY KEY, instance int NOT NULL)").execute(db.pool()).await?;
+    let instance = |n: i32, record_at_commit: bool, hold: Duration| {
+        let url = db.url.clone();
+        async move {
+            let store = PgStore::connect(&url, &idem_postgres::PoolSettings::default()).await?;
+            let tm: Arc<dyn TransactionManager> = Arc::new(store);
+            let mut config = layer_config(StatusCode::CONFLICT);
+            config.record_at_commit = record_at_commit;
+            let layer = IdempotencyLayer::new(tm, Arc::new(SystemClock), config);
+            let handler = move |mut tx: Tx| async move {
+                let conn = idem_postgres::PgUnitOfWork::of(tx.uow()).map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+                // the business row both executions write (a payment's unique reference, say)
+                sqlx::query("INSERT INTO effect (note, instance) VALUES ('the-row', $1)")
+                    .bind(n)
+                    .execute(conn.connection())
+                    .await
+                    .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+                tokio::time::sleep(hold).await;
+                Ok::<_, StatusCode>((StatusCode::CREATED, format!("instance {n}")))
+            };
+            let router =
+                as_merchant_a(axum::Router::new().route("/op", axum::routing::post(handler)).route_layer(layer));
+            idem_tests::serve(router).await
+        }
+    };
+    let at_commit = instance(1, true, Duration::from_millis(400)).await?;
+    let claim_first = instance(2, false, Duration::ZERO).await?;
+    let deadlocks = || async {
+        sqlx::query_scalar::<_, i64>("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+            .fetch_one(db.pool())
+            .await
+    };
+    let before = deadlocks().await?;
+    let http = reqwest::Client::new();
+    let send = |base: &str| {
+        let req = http.post(format!("{base}/op")).header("idempotency-key", "one-order").body("{}");
+        async move {
+            let r = req.send().await?;
+            anyhow::Ok((r.status().as_u16(), r.text().await?))
+        }
+    };
+    let first = send(&at_commit);
+    let second = async {
+        // the record-at-commit request holds the row; the claim-first one takes the key, then waits for it
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        send(&claim_first).await
+    };
+    let (first, second) = tokio::join!(first, second);
+    let (first, second) = (first?, second?);
+    assert_eq!((first.0, second.0), (201, 201), "both answered with the one execution: {first:?} {second:?}");
+    assert_eq!(first.1, second.1, "one execution answers both");
+    let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effect").fetch_one(db.pool()).await?;
+    assert_eq!(effects, 1);
+    // the statistics are flushed at the end of a transaction; give the collector a moment
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    sqlx::query("SELECT pg_stat_clear_snapshot()").execute(db.pool()).await?;
+    assert_eq!(deadlocks().await?, before, "no deadlock was broken by PostgreSQL");
+    Ok(())
+}
