@@ -13,7 +13,6 @@ pub mod idempotency;
 pub mod metrics;
 pub mod openapi;
 pub mod problem;
-pub mod provider;
 pub mod quota;
 pub mod reconcile;
 pub mod server;

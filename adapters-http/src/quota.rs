@@ -21,8 +21,9 @@ const SCOPES_KEPT: usize = 10_000;
 /// New keys per second per scope, with a burst (see the module docs).
 pub struct NewKeyQuota {
     limiter: DefaultKeyedRateLimiter<String>,
-    /// Tokens given back per scope, taken before the bucket's (never more than were taken).
-    returned: std::sync::Mutex<std::collections::HashMap<String, u32>>,
+    /// Tokens given back per scope, and when the last was: taken before the bucket's while fresh (within
+    /// one emission interval), never more than the burst.
+    returned: std::sync::Mutex<std::collections::HashMap<String, (u32, std::time::Instant)>>,
     any_returned: std::sync::atomic::AtomicBool,
     per_second: NonZeroU32,
     burst: NonZeroU32,
@@ -37,7 +38,8 @@ impl std::fmt::Debug for NewKeyQuota {
 impl NewKeyQuota {
     /// `per_second` new keys per scope on average, up to `burst` at once.
     pub fn new(per_second: NonZeroU32, burst: NonZeroU32) -> Self {
-        let limiter = RateLimiter::keyed(Quota::per_second(per_second).allow_burst(burst.max(per_second)));
+        let burst = burst.max(per_second);
+        let limiter = RateLimiter::keyed(Quota::per_second(per_second).allow_burst(burst));
         Self { limiter, returned: Default::default(), any_returned: Default::default(), per_second, burst }
     }
 
@@ -45,12 +47,19 @@ impl NewKeyQuota {
     pub fn take(&self, scope: &str) -> Result<(), Duration> {
         if self.any_returned.load(std::sync::atomic::Ordering::Relaxed) {
             let mut returned = self.returned.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            if let Some(n) = returned.get_mut(scope) {
-                *n -= 1;
-                if *n == 0 {
-                    returned.remove(scope);
+            let fresh = match returned.get_mut(scope) {
+                Some((n, at)) if at.elapsed() < self.interval() => {
+                    *n -= 1;
+                    Some(*n)
                 }
-                self.any_returned.store(!returned.is_empty(), std::sync::atomic::Ordering::Relaxed);
+                _ => None,
+            };
+            if fresh.is_none_or(|left| left == 0) {
+                returned.remove(scope);
+            }
+            returned.retain(|_, (_, at)| at.elapsed() < self.interval());
+            self.any_returned.store(!returned.is_empty(), std::sync::atomic::Ordering::Relaxed);
+            if fresh.is_some() {
                 return Ok(());
             }
         }
@@ -63,14 +72,26 @@ impl NewKeyQuota {
     }
 
     /// Gives back a token [`take`](Self::take) gave for `scope` to a key that turned out known: the next
-    /// new key of the scope takes it first.
+    /// new key of the scope takes it first, within one emission interval (`1 / per_second`). The bucket
+    /// counts it spent meanwhile, so a token given back and not used soon expires: the quota is then
+    /// stricter, never looser — at most the burst plus one new key in any interval.
     pub fn give_back(&self, scope: &str) {
         let mut returned = self.returned.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if returned.len() >= SCOPES_KEPT {
             returned.clear(); // bounded: a token forgotten only makes the quota stricter
         }
-        *returned.entry(scope.to_owned()).or_default() += 1;
+        let now = std::time::Instant::now();
+        let entry = returned.entry(scope.to_owned()).or_insert((0, now));
+        if entry.1.elapsed() >= self.interval() {
+            entry.0 = 0;
+        }
+        *entry = ((entry.0 + 1).min(self.burst.get()), now);
         self.any_returned.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The time the bucket takes to gain one token.
+    fn interval(&self) -> Duration {
+        Duration::from_secs(1) / self.per_second.get()
     }
 }
 
@@ -89,5 +110,23 @@ mod tests {
         quota.give_back("a");
         assert!(quota.take("a").is_ok(), "a token given back is taken again");
         assert!(quota.take("a").is_err(), "once");
+    }
+
+    /// A token given back and not used within one emission interval expires: the bucket counted it spent,
+    /// and returned tokens kept for later would let a burst beyond the quota through.
+    #[test]
+    fn a_token_given_back_expires_and_never_exceeds_the_burst() {
+        let n = |v| NonZeroU32::new(v).unwrap_or(NonZeroU32::MIN);
+        let quota = NewKeyQuota::new(n(10), n(10)); // one token per 100 ms
+        assert!((0..10).all(|_| quota.take("a").is_ok()), "the burst");
+        for _ in 0..15 {
+            quota.give_back("a");
+        }
+        assert!((0..10).all(|_| quota.take("a").is_ok()), "ten given back (the burst at most)");
+        assert!(quota.take("a").is_err(), "not the fifteen");
+        quota.give_back("a");
+        std::thread::sleep(Duration::from_millis(150));
+        assert!(quota.take("a").is_ok(), "the bucket's own refill");
+        assert!(quota.take("a").is_err(), "the token given back 150 ms ago expired");
     }
 }

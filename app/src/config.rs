@@ -117,7 +117,7 @@ impl ProviderArgs {
             ));
         }
         if let Some(url) = &self.payment_provider_url {
-            idem_http::provider::check_base_url(url).map_err(|why| format!("PAYMENT_PROVIDER_URL {why}"))?;
+            idem_provider::check_base_url(url).map_err(|why| format!("PAYMENT_PROVIDER_URL {why}"))?;
             if self.payment_provider_api_key.is_none() {
                 return Err("PAYMENT_PROVIDER_URL needs PAYMENT_PROVIDER_API_KEY (or _FILE)".into());
             }

@@ -292,7 +292,7 @@ pub(crate) fn payment_provider(
     let (Some(url), Some(key)) = (&args.payment_provider_url, &args.payment_provider_api_key) else {
         return Ok(None);
     };
-    let provider = idem_http::provider::HttpPaymentProvider::new(
+    let provider = idem_provider::HttpPaymentProvider::new(
         &args.payment_provider_name,
         url,
         &key.0,

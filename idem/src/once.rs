@@ -5,8 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use idem_domain::usecases::{KeyClaim, claim_for, claim_key};
 use idem_domain::{Decision, Fingerprint, IdempotencyKey, IdempotencyKeyError, TtlPolicy, decide};
-use idem_ports::{ClaimOutcome, Clock, IdempotencyClaim, StoreError, StoredResponse, UnitOfWork};
+use idem_ports::{Clock, StoreError, StoredResponse, UnitOfWork};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -125,28 +126,17 @@ impl Idempotent {
         if key.is_future_dated(now) {
             return Err(OnceError::KeyFutureDated);
         }
-        let claim = IdempotencyClaim {
-            scope: scope.to_owned(),
-            key: key.as_str().to_owned(),
-            command_hash: *fingerprint.as_bytes(),
-            created_at: now,
-            expires_at: self.ttl.retain_until(now, key.first_sent()),
-        };
-        // an old key runs only if its record is still there (a late retry of a run that happened replays)
-        let outcome = if key.is_expired(&self.ttl, now) {
-            match uow.idempotency().get(scope, key.as_str()).await? {
-                Some(record) if record.expires_at > now => ClaimOutcome::Existing(record),
-                _ => return Err(OnceError::KeyExpired),
-            }
-        } else {
-            match uow.idempotency().claim(&claim, now, self.wait).await {
-                Err(StoreError::LockTimeout) => return Err(OnceError::InFlight),
-                outcome => outcome?,
-            }
+        let claim = claim_for(scope, &key, &fingerprint, &self.ttl, now);
+        // the HTTP layer's claim sequence: an old key runs only if its record is still there (a late retry
+        // of a run that happened replays)
+        let outcome = match claim_key(uow, &claim, &key, &self.ttl, now, self.wait).await {
+            Err(StoreError::LockTimeout) => return Err(OnceError::InFlight),
+            outcome => outcome?,
         };
         match outcome {
-            ClaimOutcome::Claimed => Ok(Claimed::Run(Pending { scope: claim.scope, key: claim.key })),
-            ClaimOutcome::Existing(record) => match decide(Some(&record), &fingerprint, now) {
+            KeyClaim::Claimed => Ok(Claimed::Run(Pending { scope: claim.scope, key: claim.key })),
+            KeyClaim::Expired => Err(OnceError::KeyExpired),
+            KeyClaim::Existing(record) => match decide(Some(&record), &fingerprint, now) {
                 Decision::Replay(stored) => {
                     uow.confirm_replication().await?;
                     Ok(Claimed::Replay(serde_json::from_slice(&stored.body)?))

@@ -164,12 +164,8 @@ async fn main() -> anyhow::Result<()> {
 /// The payments API with the stand-in provider at `provider`, as `idem serve` wires it.
 async fn reference_service(store: &idem_postgres::PgStore, provider: &str) -> anyhow::Result<String> {
     let tm: Arc<dyn TransactionManager> = Arc::new(store.clone());
-    let provider = idem_http::provider::HttpPaymentProvider::new(
-        "standin",
-        provider,
-        "sk_bench_provider",
-        Duration::from_secs(5),
-    )?;
+    let provider =
+        idem_provider::HttpPaymentProvider::new("standin", provider, "sk_bench_provider", Duration::from_secs(5))?;
     let state = idem_http::ApiState {
         tm: tm.clone(),
         payments_of: idem_postgres::payments_of,

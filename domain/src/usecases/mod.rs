@@ -2,6 +2,7 @@
 //! its own writes (an idempotency record, a processed-event row) to the same transaction.
 
 mod charge;
+mod claim_key;
 mod order_events;
 mod provider_charge;
 mod refund;
@@ -10,6 +11,7 @@ pub use charge::{
     ChargeCommand, ChargeError, ChargeOutcome, EXTERNAL_PAYMENT_ID_MAX_LEN, InvalidField, PROVIDER_MAX_LEN,
     charge_payment, charge_payments,
 };
+pub use claim_key::{KeyClaim, claim_for, claim_key};
 pub use order_events::{OrderEventHandler, REFUND_STEP};
 pub use provider_charge::{
     Capture, PAYMENT_METHOD_MAX_LEN, ProviderChargeCommand, ProviderChargeError, capture_charge, decline_charge,

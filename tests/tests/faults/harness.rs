@@ -34,6 +34,8 @@ fn idem_bin() -> std::path::PathBuf {
 pub struct Service {
     child: Option<Child>,
     env: Vec<(String, String)>,
+    /// `faketime -f` shift of `idem serve`'s wall clock (`None`: the host's clock).
+    clock_shift: Option<String>,
     pub base: String,
     /// The admin listener (`/readyz`, `/metrics`).
     pub admin: String,
@@ -68,6 +70,7 @@ impl Service {
         Self {
             child: None,
             env,
+            clock_shift: None,
             base: format!("http://127.0.0.1:{port}"),
             admin: format!("http://127.0.0.1:{admin_port}"),
             orders_topic,
@@ -138,6 +141,14 @@ impl Service {
         Ok(cmd.output()?)
     }
 
+    #[allow(dead_code)] // used by the phase faults only
+    /// `idem serve` under Debian's `faketime -f <shift>` (for example `+40s`): its wall clock moved (the
+    /// clock leases were once compared with), its monotonic clock not.
+    pub fn with_clock_shift(mut self, shift: &str) -> Self {
+        self.clock_shift = Some(shift.to_owned());
+        self
+    }
+
     pub fn with_env(mut self, key: &str, value: &str) -> Self {
         self.env.retain(|(k, _)| k != key);
         self.env.push((key.to_owned(), value.to_owned()));
@@ -165,7 +176,14 @@ impl Service {
     }
 
     async fn start_once(&mut self) -> anyhow::Result<()> {
-        let mut cmd = Command::new(idem_bin());
+        let mut cmd = match &self.clock_shift {
+            Some(shift) => {
+                let mut c = Command::new("faketime");
+                c.args(["-f", shift]).arg(idem_bin()).env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+                c
+            }
+            None => Command::new(idem_bin()),
+        };
         // stderr goes to a log file (or the terminal with FAULTS_LOG) so a start that fails can say why
         let log = std::env::temp_dir().join(format!("idem-faults-{}.log", Uuid::now_v7()));
         let stderr = if std::env::var_os("FAULTS_LOG").is_some() {

@@ -173,3 +173,51 @@ async fn s13_kill9_between_the_phases_completer_or_retry_finishes_with_one_charg
     assert_eq!(events.len(), 2, "one PaymentCaptured per payment");
     Ok(())
 }
+
+/// Issue 45.1, black-box: an instance whose host clock is 40 s ahead (`faketime`), with the default lease
+/// (30 s) and provider timeout (10 s), retries a charge whose call is out on another instance. Leases were
+/// compared with the host's clock: the retry took the live lease over and called again (two calls in
+/// process with one key). On the database's clock it is in flight: one call, one charge, one payment.
+#[tokio::test]
+async fn s14_a_host_40s_ahead_never_takes_over_a_live_lease() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = idem_tests::kafka_brokers().await?;
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    let service = |brokers: &str| {
+        Service::new(&db.url, brokers)
+            .with_env("PAYMENT_PROVIDER_URL", &provider)
+            .with_env("PAYMENT_PROVIDER_NAME", "standin")
+            .with_env("PAYMENT_PROVIDER_API_KEY", PROVIDER_KEY)
+            .with_env("COMPLETER_INTERVAL", "1h")
+    };
+    let mut on_time = service(&brokers);
+    let mut ahead = service(&brokers).with_clock_shift("+40s");
+    on_time.start().await?;
+    ahead.start().await?;
+    // the shift took: hyper's `Date` header is the process's wall clock
+    let date = reqwest::get(format!("{}/readyz", ahead.admin)).await?.headers()["date"].to_str()?.to_owned();
+    let skew = chrono::DateTime::parse_from_rfc2822(&date)?.timestamp() - chrono::Utc::now().timestamp();
+    assert!((35..=45).contains(&skew), "the host is {skew} s ahead, not 40 ({date})");
+    standin.delay_ms.store(3_000, SeqCst);
+    let body = json!({"order_id": uuid::Uuid::now_v7(), "customer_id": uuid::Uuid::now_v7(), "amount": "40.00",
+                      "currency": "EUR", "payment_method": "pm_card_visa"});
+    let first = tokio::spawn({
+        let (base, body) = (on_time.base.clone(), body.clone());
+        async move { charge(&base, "skew-faketime-1", &body).await }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while standin.calls.load(SeqCst) == 0 {
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "the provider was never called");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, answer) = charge(&ahead.base, "skew-faketime-1", &body).await?;
+    assert_eq!(status, 409, "the host 40 s ahead took over a live lease: {answer}");
+    let (status, payment) = first.await??;
+    assert_eq!((status, payment["status"].as_str()), (201, Some("captured")), "{payment}");
+    let (status, replayed) = charge(&ahead.base, "skew-faketime-1", &body).await?;
+    assert_eq!((status, &replayed["id"]), (201, &payment["id"]), "the skewed host replays the one payment");
+    assert_eq!(standin.calls.load(SeqCst), 1, "calls at the provider for one key");
+    assert_eq!(standin.charges.load(SeqCst), 1, "charges at the provider");
+    assert_eq!(count(&db, "SELECT count(*) FROM payment").await?, 1);
+    Ok(())
+}

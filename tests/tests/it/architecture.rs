@@ -36,6 +36,7 @@ fn domain_depends_on_ports_and_no_io_crate() {
         "idem-postgres",
         "idem-kafka",
         "idem-http",
+        "idem-provider",
     ] {
         assert!(!deps.contains(forbidden), "idem-domain must not depend on {forbidden} (it does, transitively)");
     }
@@ -51,7 +52,7 @@ fn ports_do_no_io_either() {
 
 #[test]
 fn no_adapter_depends_on_another_adapter() {
-    let adapters = ["idem-postgres", "idem-kafka", "idem-http"];
+    let adapters = ["idem-postgres", "idem-kafka", "idem-http", "idem-provider"];
     for a in adapters {
         let deps = dependency_tree(a);
         assert!(deps.contains("idem-ports"), "{a} implements the ports, so it depends on idem-ports");

@@ -7,10 +7,10 @@ use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
 
 use idem_domain::TtlPolicy;
-use idem_http::provider::HttpPaymentProvider;
 use idem_http::{ApiKeys, ApiState, IdempotencyConfig, IdempotencyLayer};
 use idem_ports::{PaymentProvider, SystemClock, TransactionManager, UuidV7Generator};
 use idem_postgres::PgStore;
+use idem_provider::HttpPaymentProvider;
 use idem_tests::TestDb;
 use idem_tests::provider::StandIn;
 use serde_json::{Value, json};

@@ -4,8 +4,8 @@
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
 
-use idem_http::provider::HttpPaymentProvider;
 use idem_ports::{ChargeRequest, PaymentProvider, ProviderError};
+use idem_provider::HttpPaymentProvider;
 
 fn request(payment_method: &str, amount_minor: i64) -> ChargeRequest {
     ChargeRequest {
@@ -132,7 +132,7 @@ async fn only_what_the_provider_said_is_taken_as_its_answer() -> anyhow::Result<
         Err(ProviderError::Unknown { why: "status 503".into(), retry_after: Some(Duration::from_secs(5)) })
     );
 
-    let huge: &'static str = Box::leak("x".repeat(idem_http::provider::MAX_ANSWER + 1).into_boxed_str());
+    let huge: &'static str = Box::leak("x".repeat(idem_provider::MAX_ANSWER + 1).into_boxed_str());
     let (_, long) = answering(200, &[], huge).await?;
     let provider = HttpPaymentProvider::new("standin", &long, key, timeout)?;
     let answer = provider.charge("k1", &request("pm_card_visa", 1)).await;
@@ -143,7 +143,7 @@ async fn only_what_the_provider_said_is_taken_as_its_answer() -> anyhow::Result<
 /// Issue 44: the provider's URL carries no credentials and is `https://` unless its host is loopback.
 #[test]
 fn the_provider_url_is_https_without_credentials() {
-    use idem_http::provider::check_base_url;
+    use idem_provider::check_base_url;
     for good in ["https://api.provider.example", "http://127.0.0.1:4010", "http://localhost:1", "http://[::1]:2"] {
         assert_eq!(check_base_url(good), Ok(()), "{good}");
     }

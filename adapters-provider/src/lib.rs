@@ -5,6 +5,8 @@
 //! followed) is no answer, and an answer that is not the provider's is never stored. Answers are read up
 //! to [`MAX_ANSWER`] bytes within the call's timeout.
 
+#![warn(missing_docs)]
+
 use std::sync::Arc;
 use std::time::Duration;
 
