@@ -16,7 +16,7 @@ pub mod relay;
 pub mod trace;
 
 pub use client::{ConsumerSettings, KafkaConnection, ProducerSettings};
-pub use producer::{EventProducer, Sent};
+pub use producer::{EventProducer, SendError, Sent};
 
 /// Sleeps `delay`; `false` when `shutdown` came first.
 pub(crate) async fn pause(delay: std::time::Duration, shutdown: &tokio_util::sync::CancellationToken) -> bool {

@@ -88,6 +88,9 @@ pub struct Observed {
     pub orders_sent: BTreeSet<String>,
     /// (order id → applications by the consumer, payments stored for it)
     pub orders: BTreeMap<String, (i64, i64)>,
+    /// Provider ids of payments charged through a payment provider (the provider's charge ids, which no
+    /// client names): checked by counting the provider's charges instead.
+    pub through_provider: BTreeSet<String>,
 }
 
 /// What the checker found.
@@ -168,7 +171,10 @@ pub fn check(history: &[Invocation], observed: &Observed) -> Verdict {
     let mut payment_ids: BTreeMap<&str, Decimal> = BTreeMap::new();
     for (external, rows) in &observed.payments {
         // payments of order events carry `order-…` provider ids; every other one a client asked for
-        if !asked_charges.contains(external.as_str()) && !external.starts_with("order-") {
+        if !asked_charges.contains(external.as_str())
+            && !external.starts_with("order-")
+            && !observed.through_provider.contains(external)
+        {
             v.inconsistent.push(format!("payment {external} stored though no client asked for it"));
         }
         for (id, amount) in rows {

@@ -2,7 +2,9 @@
 //! network namespaces, HAProxy), a private tansu behind a proxy that can be cut, and two `idem serve`
 //! instances — one on HAProxy's URL, one on the multi-host URL — sharing the topics and the consumer group,
 //! the relay and the order consumer running. Clients charge and refund with keys of their own and retry
-//! with the same key on errors, timeouts and 503 up to a bound; a producer sends order events (some twice).
+//! with the same key on errors, timeouts and 503 up to a bound; a producer sends order events (some twice);
+//! two more clients charge cards through a stand-in payment provider (issue 45), whose charges are counted
+//! at the provider: one per client key, each acknowledged payment captured with it, nothing left held.
 //! A nemesis runs a schedule of faults, each healed before the next: `kill-primary`, `isolate-primary`,
 //! `partition-primary`, a broker cut and `kill -9` of an idem instance. Every invocation goes into a
 //! history; after the faults, every unknown outcome is sent again with its key, and
@@ -21,7 +23,10 @@ use rust_decimal::Decimal;
 use tokio::sync::Mutex;
 use uuid::Uuid;
 
-use crate::harness::{Service, charge_request, placed};
+use crate::harness::{API_KEY, Service, charge_request, placed};
+
+/// The stand-in provider's API key.
+const PROVIDER_KEY: &str = "sk_test_failover_0123";
 
 /// A fault of the schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -111,7 +116,23 @@ pub struct Report {
     pub orders: usize,
     /// Answers `500` and the like (not `503`): each a defect.
     pub server_errors: usize,
+    /// The charges through the provider, checked at the provider.
+    pub provider: ProviderVerdict,
     pub elapsed: Duration,
+}
+
+/// What the charges through the stand-in provider came to.
+#[derive(Debug, Default)]
+pub struct ProviderVerdict {
+    /// Client keys sent, acknowledged (`201`) in the end, and unknown after the clients' bounded retries
+    /// (each then sent again until definite).
+    pub keys: usize,
+    pub acknowledged: usize,
+    pub unknown: usize,
+    /// Charges the provider made.
+    pub charges: usize,
+    /// Each a defect: a second charge, an acknowledged payment without its charge, a record still held.
+    pub violations: Vec<String>,
 }
 
 impl Report {
@@ -162,6 +183,19 @@ impl Report {
             println!("  lost: {}", counts.join(", "));
         }
         for line in v.lost.iter().chain(&v.duplicated).chain(&v.inconsistent).take(12) {
+            println!("  {line}");
+        }
+        let p = &self.provider;
+        println!(
+            "  through the provider: {} client keys, {} acknowledged, {} unknown until the faults healed, \
+             {} charges at the provider, {} violations",
+            p.keys,
+            p.acknowledged,
+            p.unknown,
+            p.charges,
+            p.violations.len()
+        );
+        for line in p.violations.iter().take(12) {
             println!("  {line}");
         }
     }
@@ -278,6 +312,144 @@ async fn order_loop(brokers: String, topic: String, sent: Arc<Mutex<BTreeSet<Str
     }
 }
 
+/// A charge through the provider: its client key, its order, and what its client was told in the end.
+#[derive(Debug, Clone)]
+struct ThroughProvider {
+    key: String,
+    order: Uuid,
+    body: serde_json::Value,
+    outcome: Outcome,
+}
+
+/// Sends `body` with `key` until a definite answer or `patience` has passed: `409` in flight, `429`,
+/// `503` (nothing executed, or the outcome unknown) and no answer are sent again with the key; a `5xx`
+/// other than `503` is counted (a defect) and sent again.
+async fn charge_through_provider(
+    http: &reqwest::Client,
+    base: &str,
+    key: &str,
+    body: &serde_json::Value,
+    patience: Duration,
+    errors: &AtomicUsize,
+) -> Outcome {
+    let deadline = Instant::now() + patience;
+    let mut wait = Duration::from_millis(200);
+    loop {
+        let sent = http.post(format!("{base}/payments")).bearer_auth(API_KEY).header("idempotency-key", key);
+        if let Ok(resp) = sent.json(body).send().await {
+            let status = resp.status().as_u16();
+            let answer: serde_json::Value = resp.json().await.unwrap_or_default();
+            match status {
+                201 => return Outcome::Ok { id: answer["id"].as_str().unwrap_or_default().to_owned() },
+                409 | 429 | 503 => {}
+                s if s >= 500 => {
+                    println!("through the provider: {key} answered {s}: {answer}");
+                    errors.fetch_add(1, Relaxed);
+                }
+                s => return Outcome::Failed { status: s },
+            }
+        }
+        if Instant::now() + wait > deadline {
+            return Outcome::Unknown;
+        }
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(Duration::from_secs(1));
+    }
+}
+
+/// A client charging cards through the provider with keys of its own, each retried for a few seconds, until
+/// `stop`.
+async fn provider_loop(
+    base: String,
+    history: Arc<Mutex<Vec<ThroughProvider>>>,
+    successes: Arc<Mutex<Vec<Duration>>>,
+    start: Instant,
+    errors: Arc<AtomicUsize>,
+    stop: idem::CancellationToken,
+) {
+    let Ok(http) = reqwest::Client::builder().timeout(Duration::from_secs(5)).build() else { return };
+    while !stop.is_cancelled() {
+        let (key, order) = (IdemClient::new_key(), Uuid::now_v7());
+        let body = serde_json::json!({"order_id": order, "customer_id": Uuid::now_v7(), "amount": "12.34",
+                                      "currency": "EUR", "payment_method": "pm_card_visa"});
+        let outcome = charge_through_provider(&http, &base, &key, &body, Duration::from_secs(8), &errors).await;
+        if matches!(outcome, Outcome::Ok { .. }) {
+            successes.lock().await.push(start.elapsed());
+        }
+        history.lock().await.push(ThroughProvider { key, order, body, outcome });
+    }
+}
+
+/// Counts at the provider: one charge per client key (per order), each charge the captured payment of its
+/// reference with its amount, every acknowledged payment charged there, and no record of these keys still
+/// held.
+async fn check_provider(
+    url: &str,
+    standin: &idem_tests::provider::StandIn,
+    history: &[ThroughProvider],
+) -> anyhow::Result<ProviderVerdict> {
+    let db = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(url).await?;
+    let mut v = ProviderVerdict { keys: history.len(), ..ProviderVerdict::default() };
+    let charges = standin.charges_made();
+    v.charges = charges.len();
+    let mut by_order: BTreeMap<Uuid, Vec<String>> = BTreeMap::new();
+    let mut by_reference: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (charge, amount_minor, reference) in &charges {
+        by_reference.entry(reference.clone()).or_default().push(charge.clone());
+        let row: Option<(Uuid, String, String, Decimal)> =
+            sqlx::query_as("SELECT order_id, external_payment_id, status, amount FROM payment WHERE id::text = $1")
+                .bind(reference)
+                .fetch_optional(&db)
+                .await?;
+        match row {
+            None => v.violations.push(format!("provider charge {charge} of payment {reference}: no such payment")),
+            Some((order, external, status, amount)) => {
+                by_order.entry(order).or_default().push(charge.clone());
+                if external != *charge
+                    || status != "captured"
+                    || amount * Decimal::from(100) != Decimal::from(*amount_minor)
+                {
+                    v.violations.push(format!(
+                        "provider charge {charge} of {amount_minor}: payment {reference} is {external} {status} of {amount}"
+                    ));
+                }
+            }
+        }
+    }
+    for (reference, ids) in by_reference.iter().filter(|(_, ids)| ids.len() > 1) {
+        v.violations.push(format!("payment {reference} charged {} times at the provider: {ids:?}", ids.len()));
+    }
+    for (order, ids) in by_order.iter().filter(|(_, ids)| ids.len() > 1) {
+        v.violations.push(format!("order {order} (one client key) charged {} times: {ids:?}", ids.len()));
+    }
+    for t in history {
+        match &t.outcome {
+            Outcome::Ok { id } => {
+                v.acknowledged += 1;
+                if by_reference.get(id).is_none_or(Vec::is_empty) {
+                    v.violations.push(format!("key {}: acknowledged payment {id} has no provider charge", t.key));
+                }
+            }
+            Outcome::Failed { status } if by_order.contains_key(&t.order) => {
+                v.violations.push(format!("key {}: answered {status}, but its order was charged", t.key));
+            }
+            Outcome::Failed { status } => v.violations.push(format!("key {}: refused {status}", t.key)),
+            Outcome::Unknown => v.violations.push(format!("key {}: unknown after the faults healed", t.key)),
+        }
+    }
+    let keys: Vec<String> = history.iter().map(|t| t.key.clone()).collect();
+    let held: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_record WHERE key = ANY($1) AND state = 'in_flight'")
+            .bind(&keys)
+            .fetch_one(&db)
+            .await?;
+    if held > 0 {
+        v.violations.push(format!("{held} records of these keys still held once the faults healed"));
+    }
+    db.close().await;
+    Ok(v)
+}
+
 /// Runs `run`'s schedule and checks the history.
 pub async fn run(run: &Run) -> anyhow::Result<Report> {
     let started = Instant::now();
@@ -287,7 +459,19 @@ pub async fn run(run: &Run) -> anyhow::Result<Report> {
         cluster.wait_healthy(Duration::from_secs(60))?;
     }
     let broker = ProxiedBroker::start().await?;
-    let mut a = Service::new(&cluster.url, &broker.bootstrap).with_env("KAFKA_SESSION_TIMEOUT", "10s");
+    let (standin, provider) = idem_tests::provider::start(PROVIDER_KEY).await?;
+    standin.delay_ms.store(300, Relaxed); // calls in process when a fault lands
+    // the lease holds a call and a second's margin; a killed instance's calls are taken over within seconds
+    let through = |service: Service| {
+        service
+            .with_env("PAYMENT_PROVIDER_URL", &provider)
+            .with_env("PAYMENT_PROVIDER_NAME", "standin")
+            .with_env("PAYMENT_PROVIDER_API_KEY", PROVIDER_KEY)
+            .with_env("IDEMPOTENCY_LEASE", "6s")
+            .with_env("PAYMENT_PROVIDER_TIMEOUT", "3s")
+            .with_env("COMPLETER_INTERVAL", "2s")
+    };
+    let mut a = through(Service::new(&cluster.url, &broker.bootstrap).with_env("KAFKA_SESSION_TIMEOUT", "10s"));
     a.start().await?;
     let admin = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(&cluster.url).await?;
     idem_tests::effects::log_payment_attempts_in(&admin).await?;
@@ -301,7 +485,7 @@ pub async fn run(run: &Run) -> anyhow::Result<Report> {
     .execute(&admin)
     .await?;
     admin.close().await;
-    let mut b = Service::new(&cluster.multihost_url, &broker.bootstrap)
+    let mut b = through(Service::new(&cluster.multihost_url, &broker.bootstrap))
         .with_env("KAFKA_SESSION_TIMEOUT", "10s")
         .with_env("KAFKA_ORDERS_TOPIC", &a.orders_topic)
         .with_env("KAFKA_PAYMENTS_TOPIC", &a.payments_topic)
@@ -331,6 +515,11 @@ pub async fn run(run: &Run) -> anyhow::Result<Report> {
     }
     let orders = order_loop(broker.bootstrap.clone(), a.orders_topic.clone(), orders_sent.clone(), stop.clone());
     tasks.push(tokio::spawn(orders));
+    let charged: Arc<Mutex<Vec<ThroughProvider>>> = Arc::default();
+    for service in [&a, &b] {
+        let (charged, successes, errors) = (charged.clone(), successes.clone(), errors.clone());
+        tasks.push(tokio::spawn(provider_loop(service.base.clone(), charged, successes, start, errors, stop.clone())));
+    }
 
     let mut injected = Vec::new();
     for fault in &run.schedule {
@@ -385,6 +574,13 @@ pub async fn run(run: &Run) -> anyhow::Result<Report> {
         inv.resolved = Some(send(&patient, &inv.key, request, &errors).await);
     }
     let history: Vec<Invocation> = history.into_iter().map(|(i, _)| i).collect();
+    let mut charged = std::mem::take(&mut *charged.lock().await);
+    let unknown = charged.iter().filter(|t| t.outcome == Outcome::Unknown).count();
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build()?;
+    for t in charged.iter_mut().filter(|t| t.outcome == Outcome::Unknown) {
+        // a record held by a killed attempt is taken over once its lease lapsed (6 s)
+        t.outcome = charge_through_provider(&http, &a.base, &t.key, &t.body, Duration::from_secs(60), &errors).await;
+    }
 
     let observed = observe(&cluster.url, &broker.bootstrap, &a.payments_topic, orders_sent).await?;
     let successes = {
@@ -400,6 +596,7 @@ pub async fn run(run: &Run) -> anyhow::Result<Report> {
         (f.outage, f.steady) = history::recovery(&successes, f.at, until, baseline);
     }
     let verdict = history::check(&history, &observed);
+    let provider = ProviderVerdict { unknown, ..check_provider(&cluster.url, &standin, &charged).await? };
     a.terminate();
     b.terminate();
     let server_errors = errors.load(Relaxed);
@@ -408,6 +605,7 @@ pub async fn run(run: &Run) -> anyhow::Result<Report> {
         faults: injected,
         orders: observed.orders_sent.len(),
         server_errors,
+        provider,
         elapsed: started.elapsed(),
     })
 }
@@ -416,6 +614,11 @@ pub async fn run(run: &Run) -> anyhow::Result<Report> {
 /// refunds, unpublished outbox rows and applications, to tell whether anything moved since.
 async fn read_database(db: &sqlx::PgPool, o: &mut Observed) -> anyhow::Result<(usize, usize, i64, usize)> {
     o.payments.clear();
+    o.through_provider = sqlx::query_scalar("SELECT external_payment_id FROM payment WHERE through_provider")
+        .fetch_all(db)
+        .await?
+        .into_iter()
+        .collect();
     let rows: Vec<(String, String, Decimal)> =
         sqlx::query_as("SELECT external_payment_id, id::text, amount FROM payment").fetch_all(db).await?;
     for (external, id, amount) in rows {
@@ -424,10 +627,12 @@ async fn read_database(db: &sqlx::PgPool, o: &mut Observed) -> anyhow::Result<(u
     let rows: Vec<(String, String, Decimal)> =
         sqlx::query_as("SELECT id::text, payment_id::text, amount FROM refund").fetch_all(db).await?;
     o.refunds = rows.into_iter().map(|(id, p, a)| (id, (p, a))).collect();
-    let rows: Vec<(String, i64)> =
-        sqlx::query_as("SELECT external_payment_id, count(*) FROM test_payment_attempt GROUP BY 1")
-            .fetch_all(db)
-            .await?;
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT external_payment_id, count(*) FROM test_payment_attempt WHERE external_payment_id IS NOT NULL
+             GROUP BY 1",
+    )
+    .fetch_all(db)
+    .await?;
     o.executions = rows.into_iter().collect();
     let rows: Vec<(String, i64, i64)> = sqlx::query_as(
         "SELECT o.order_id::text, (SELECT count(*) FROM test_application a WHERE a.order_id = o.order_id),

@@ -639,7 +639,9 @@ async fn connections_to_a_demoted_primary_are_not_reused() -> anyhow::Result<()>
 /// Issue 34.3: the synchronous cluster through every fault (`failover.rs`; `FAILOVER_FAULTS`,
 /// `FAILOVER_ROUNDS` and `FAILOVER_HOLD` lengthen it, as `scripts/bench.sh failover` does). Nothing
 /// acknowledged is lost, nothing is executed, applied or announced twice, every unknown outcome resolves,
-/// and clients get successes again after every fault.
+/// and clients get successes again after every fault. Issue 45: two clients charge through a stand-in
+/// provider meanwhile: one provider charge per client key, every acknowledged payment captured with it,
+/// nothing left held once the faults healed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_synchronous_cluster_through_every_fault_loses_and_duplicates_nothing() -> anyhow::Result<()> {
     let run = failover::Run::from_env("FAILOVER_FAULTS", 15500, false, &failover::Fault::ALL)?;
@@ -651,6 +653,11 @@ async fn a_synchronous_cluster_through_every_fault_loses_and_duplicates_nothing(
     assert_eq!(report.server_errors, 0, "answers 5xx other than 503 (a condition of the infrastructure is a 503)");
     assert!(v.acknowledged > 100, "too little load to mean anything: {v:?}");
     assert!(report.orders > 10, "too few order events: {}", report.orders);
+    // issue 45: charges through the provider, counted at the provider
+    let p = &report.provider;
+    assert!(p.violations.is_empty(), "through the provider: {:?}", p.violations);
+    assert_eq!(p.charges, p.acknowledged, "one provider charge per acknowledged client key, no other");
+    assert!(p.acknowledged > 20, "too few charges through the provider: {p:?}");
     for f in &report.faults {
         assert!(f.recovered, "no client succeeded within 60 s of the heal of {}", f.fault.name());
     }

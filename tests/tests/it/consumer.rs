@@ -1151,7 +1151,7 @@ async fn a_retry_policy_dead_letters_one_error_at_once_and_retries_another_until
 async fn a_dispatch_routes_by_event_type_and_dead_letters_what_it_cannot_read() -> anyhow::Result<()> {
     use idem::postgres::PgUnitOfWork;
     use idem::testing::TestProducer;
-    use idem::{Dispatch, HandlerError, InboundEvent, TypedEventHandler, Unhandled};
+    use idem::{Dispatch, HandlerError, InboundEvent, TypedEventHandler};
 
     #[derive(serde::Deserialize)]
     struct Credited {
@@ -1198,10 +1198,13 @@ async fn a_dispatch_routes_by_event_type_and_dead_letters_what_it_cannot_read() 
     )
     .await?; // delivered again
     send(r#"{"type": "Credited", "amount": 7}"#, None).await?; // the type in the body
+    // issue 46.5: a header naming a type with no handler falls back to the body's type (it was skipped)
+    send(r#"{"type": "Credited", "amount": 11}"#, Some("Envelope")).await?;
     let unknown = send(r#"{"amount": 100}"#, Some("Debited")).await?;
     let unreadable = send(r#"{"amount": "lots"}"#, Some("Credited")).await?;
 
-    let handler = Dispatch::new().on_typed("Credited", Credit).unhandled(Unhandled::DeadLetter);
+    // issue 46.5: the default dead-letters an unknown type (it skipped it: recorded processed, never seen)
+    let handler = Dispatch::new().on_typed("Credited", Credit);
     let runner = idem::pg_runner(
         settings(&brokers, &unique_topic("g"), &topic, 10),
         db.store.clone(),
@@ -1211,13 +1214,13 @@ async fn a_dispatch_routes_by_event_type_and_dead_letters_what_it_cannot_read() 
     let stop = CancellationToken::new();
     let task = tokio::spawn(runner.run(stop.clone()));
     let dlq = read_topic(&brokers, &format!("{topic}.dlq"), 2, Duration::from_secs(30)).await?;
-    let credited = eventually(Duration::from_secs(10), || async { Ok(db.count("test_credit").await? == 2) }).await?;
+    let credited = eventually(Duration::from_secs(10), || async { Ok(db.count("test_credit").await? == 3) }).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     stop.cancel();
     task.await??;
     assert!(credited, "{} credits", db.count("test_credit").await?);
     let total: i64 = sqlx::query_scalar("SELECT sum(amount) FROM test_credit").fetch_one(db.pool()).await?;
-    assert_eq!((db.count("test_credit").await?, total), (2, 12), "5 once, though delivered twice, and 7");
+    assert_eq!((db.count("test_credit").await?, total), (3, 23), "5 once, though delivered twice, 7 and 11");
     let mut dead: Vec<(Option<String>, Option<String>)> =
         dlq.iter().map(|m| (m.header("event_id"), m.header("dlq.reason"))).collect();
     dead.sort();
