@@ -193,8 +193,11 @@ impl IdempotencyConfig {
         }
     }
 
-    /// Leaves the body's top-level JSON fields `fields` out of the fingerprint (a client timestamp, a
-    /// request id in the body): a retry that changed only them replays instead of conflicting.
+    /// Leaves the body's JSON fields `fields` out of the fingerprint (a client timestamp, a request id in
+    /// the body): a retry that changed only them, or left them out, replays instead of conflicting. A name
+    /// with dots is a path into nested objects (`meta.sent_at`); every other value, numbers included, is
+    /// fingerprinted exactly ([`Fingerprint::of_request_ignoring`]). The list applies to **every route of
+    /// this layer**: give routes that need different lists layers of their own.
     pub fn ignoring_fields(mut self, fields: &[&str]) -> Self {
         let fields: Vec<String> = fields.iter().map(|f| (*f).to_owned()).collect();
         self.fingerprint = Some(Arc::new(move |parts: &Parts, body: &[u8]| {

@@ -152,20 +152,17 @@ impl Fingerprint {
         Self(hasher.finalize().into())
     }
 
-    /// [`Self::of_request`] with the body's top-level JSON fields named in `ignored` left out: fields a
-    /// client may change between retries of one operation (a client timestamp, a trace id in the body), so
-    /// a retry with a new value replays instead of being a conflict. A body that is not a JSON object is
-    /// fingerprinted whole.
+    /// [`Self::of_request`] with the body's JSON fields named in `ignored` left out: fields a client may
+    /// change between retries of one operation (a client timestamp, a trace id in the body), so a retry with
+    /// a new value — or without the field — replays instead of being a conflict. A name with dots is a path
+    /// into nested objects (`meta.sent_at`). Everything else is fingerprinted exactly as
+    /// [`Self::of_request`] does, numbers included (the body is cut as text, never rebuilt through `f64`).
+    /// A body that is not a JSON object is fingerprinted whole.
     pub fn of_request_ignoring(method: &str, route: &str, body: &[u8], ignored: &[&str]) -> Self {
-        match serde_json::from_slice::<serde_json::Value>(body) {
-            Ok(serde_json::Value::Object(mut fields)) if ignored.iter().any(|f| fields.contains_key(*f)) => {
-                for field in ignored {
-                    fields.remove(*field);
-                }
-                let kept = serde_json::to_vec(&fields).unwrap_or_else(|_| body.to_vec());
-                Self::of_request(method, route, &kept)
-            }
-            _ => Self::of_request(method, route, body),
+        let paths: Vec<Vec<&str>> = ignored.iter().map(|f| f.split('.').collect()).collect();
+        match std::str::from_utf8(body).ok().and_then(|text| without_fields(text, &paths)) {
+            Some(kept) => Self::of_request(method, route, kept.as_bytes()),
+            None => Self::of_request(method, route, body),
         }
     }
 
@@ -191,6 +188,31 @@ impl fmt::Debug for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Fingerprint({})", hex::encode(self.0))
     }
+}
+
+/// The JSON object `text` without the fields at `paths` (each a list of names into nested objects), every
+/// other value kept as its text; `None` when `text` is not a JSON object. Duplicate names keep the last, as
+/// serde_json does.
+fn without_fields(text: &str, paths: &[Vec<&str>]) -> Option<String> {
+    let fields: std::collections::BTreeMap<String, &serde_json::value::RawValue> = serde_json::from_str(text).ok()?;
+    let mut out = String::with_capacity(text.len());
+    out.push('{');
+    for (name, value) in &fields {
+        let below: Vec<Vec<&str>> =
+            paths.iter().filter(|p| p.first() == Some(&name.as_str())).map(|p| p[1..].to_vec()).collect();
+        if below.iter().any(Vec::is_empty) {
+            continue;
+        }
+        let stripped = if below.is_empty() { None } else { without_fields(value.get(), &below) };
+        if out.len() > 1 {
+            out.push(',');
+        }
+        out.push_str(&serde_json::to_string(name).ok()?);
+        out.push(':');
+        out.push_str(stripped.as_deref().unwrap_or(value.get()));
+    }
+    out.push('}');
+    Some(out)
 }
 
 /// Feeds `value` to `hasher` as JSON with object keys in byte order and no whitespace. Strings and numbers
@@ -490,6 +512,30 @@ mod tests {
         let call = |amount: &str| Fingerprint::of_call("credit", &serde_json::json!({ "amount": amount }));
         assert_eq!(call("1").expect("serializes"), call("1").expect("serializes"));
         assert_ne!(call("1").expect("serializes"), call("2").expect("serializes"));
+    }
+
+    /// Issue 46.1: the ignored fields are cut from the text, so every other number stays exact (the body was
+    /// rebuilt through `f64`: two amounts differing past its precision replayed each other), a retry without
+    /// the field replays, and a dotted name reaches into a nested object (it ignored nothing).
+    #[test]
+    fn ignoring_fields_keeps_every_other_number_exact_and_reaches_nested_fields() {
+        let of =
+            |body: &str, ignored: &[&str]| Fingerprint::of_request_ignoring("POST", "/x", body.as_bytes(), ignored);
+        let wei = |n: &str, at: &str| format!(r#"{{"amount_wei":{n},"sent_at":"{at}"}}"#);
+        let first = of(&wei("20000000000000000001", "10:00"), &["sent_at"]);
+        assert_ne!(first, of(&wei("20000000000000000002", "10:00"), &["sent_at"]), "integers past u64");
+        assert_eq!(first, of(&wei("20000000000000000001", "10:09"), &["sent_at"]), "only the ignored field moved");
+        assert_eq!(first, of(r#"{"amount_wei":20000000000000000001}"#, &["sent_at"]), "the field left out");
+        assert_eq!(first, fp(r#"{"amount_wei":20000000000000000001}"#), "what is kept, fingerprinted whole");
+        let tenth = |n: &str| of(&format!(r#"{{"a":{n},"sent_at":1}}"#), &["sent_at"]);
+        assert_ne!(tenth("0.1"), tenth("0.10000000000000000001"), "decimals past f64");
+        let nested = |at: &str, amount: &str| {
+            of(&format!(r#"{{"meta":{{"sent_at":"{at}","trace":"t"}},"amount":{amount}}}"#), &["meta.sent_at"])
+        };
+        assert_eq!(nested("10:00", "5"), nested("10:09", "5"), "a nested field ignored");
+        assert_ne!(nested("10:00", "5"), nested("10:00", "6"), "others still count");
+        assert_eq!(nested("10:00", "5"), fp(r#"{"amount":5,"meta":{"trace":"t"}}"#));
+        assert_eq!(of("[1,2]", &["a"]), fp("[1,2]"), "not an object: whole");
     }
 
     /// Issue 32.5: `IDEMPOTENCY_TTL` raised from 24 h to 72 h by a rolling deploy that takes 5 hours: old

@@ -31,8 +31,10 @@ impl Received {
         }
     }
 
+    /// The first header `name`, compared ignoring ASCII case as [`InboundEvent::header`] does: a producer
+    /// writing `Event_ID` means the dedup key, and reading it as missing would dead-letter the event.
     fn header(&self, name: &str) -> Option<&[u8]> {
-        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_slice())
+        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_slice())
     }
 
     /// Validates the identifying headers.
@@ -61,5 +63,31 @@ impl Received {
             payload: self.payload.clone(),
             headers: self.headers.clone(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 46.11: the identifying headers are read ignoring case, like every header a handler reads.
+    #[test]
+    fn the_event_id_header_is_read_ignoring_case() {
+        let v7 = |n: u8| uuid::Builder::from_unix_timestamp_millis(1_800_000_000_000, &[n; 10]).into_uuid();
+        let (id, saga) = (v7(1), v7(2));
+        let received = Received {
+            topic: "t".into(),
+            partition: 0,
+            offset: 0,
+            key: None,
+            payload: b"{}".to_vec(),
+            headers: vec![
+                ("Event_ID".into(), id.to_string().into_bytes()),
+                ("SAGA_ID".into(), saga.to_string().into_bytes()),
+            ],
+            timestamp: None,
+        };
+        let event = received.to_event().expect("the headers are there");
+        assert_eq!((event.event_id, event.saga_id), (id, Some(saga)));
     }
 }
